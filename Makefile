@@ -1,0 +1,40 @@
+# nanorl: the two commands are `make demo` and `make test`; each sets itself up.
+SHELL := /bin/bash
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+# torch==2.13.0 (CPU) is pinned here; with your own CUDA torch already in $(VENV), use CONSTRAINTS=
+CONSTRAINTS ?= constraints.txt
+STAMP := $(VENV)/.nanorl-installed
+OFFLINE := HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
+SNAPSHOT = find nanorl nbs -maxdepth 1 -type f \( -name '*.py' -o -name '*.ipynb' \) -print0 | sort -z | xargs -0 md5sum
+
+.PHONY: setup demo test export clean-nbs lab
+
+$(STAMP): setup.py settings.ini $(CONSTRAINTS)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[dev]"
+	@touch $@
+
+setup: $(STAMP)  ## create .venv and install nanorl with its dev tools
+
+demo: $(STAMP)  ## the embedded default run on CPU
+	$(BIN)/python -m nanorl.demo
+
+test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest
+	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_export; \
+	 if [ "$$before" != "$$($(SNAPSHOT))" ]; then \
+	   echo "FAIL: nbdev_export changed nanorl/: the library is out of sync with nbs/ (edit the notebooks, then run nbdev_export)"; exit 1; fi
+	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_clean; \
+	 if [ "$$before" != "$$($(SNAPSHOT))" ]; then \
+	   echo "FAIL: nbdev_clean changed nbs/: run nbdev_clean and commit the result"; exit 1; fi
+	$(OFFLINE) $(BIN)/nbdev_test --n_workers 2 --timing
+	@$(OFFLINE) $(BIN)/python -m pytest tests/ -q -p no:cacheprovider; rc=$$?; \
+	 if [ $$rc = 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+
+export:  ## notebooks -> nanorl/, then clean the notebooks
+	$(BIN)/nbdev_export && $(BIN)/nbdev_clean
+
+lab: $(STAMP)  ## open the course in JupyterLab
+	$(BIN)/jupyter lab nbs/
