@@ -9,7 +9,7 @@ STAMP := $(VENV)/.nanorl-installed
 OFFLINE := HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 SNAPSHOT = find nanorl nbs -maxdepth 1 -type f \( -name '*.py' -o -name '*.ipynb' \) -print0 | sort -z | xargs -0 md5sum
 
-.PHONY: setup demo test export clean-nbs lab
+.PHONY: setup demo test export readme lab
 
 $(STAMP): setup.py settings.ini $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tes
 
 export:  ## notebooks -> nanorl/, then clean the notebooks
 	$(BIN)/nbdev_export && $(BIN)/nbdev_clean
+
+readme: $(STAMP)  ## README.md from nbs/index.ipynb
+	$(BIN)/jupyter nbconvert --log-level WARN --to markdown nbs/index.ipynb --output-dir . --output README
 
 lab: $(STAMP)  ## open the course in JupyterLab
 	$(BIN)/jupyter lab nbs/
