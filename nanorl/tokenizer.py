@@ -7,7 +7,7 @@ __all__ = ['SPECIAL_TOKENS', 'SPLIT_PATTERN', 'bpe_encoding', 'train_bpe', 'load
            'encoding_from_json', 'token_byte_lengths', 'Tokenizer', 'chat_messages', 'render_assistant_content',
            'render_conversation', 'render_for_completion', 'MaskView']
 
-# %% ../nbs/01_tokenizer.ipynb #6545b0e1
+# %% ../nbs/01_tokenizer.ipynb #acf421b3
 import base64
 import copy
 import html
@@ -20,7 +20,7 @@ import rustbpe
 import tiktoken
 import torch
 
-# %% ../nbs/01_tokenizer.ipynb #751c453e
+# %% ../nbs/01_tokenizer.ipynb #9fbfdb60
 SPECIAL_TOKENS = [
     "<|bos|>",            # beginning of every document / conversation
     "<|user_start|>", "<|user_end|>",            # a user turn
@@ -29,12 +29,12 @@ SPECIAL_TOKENS = [
     "<|output_start|>", "<|output_end|>",        # the tool's answer, pasted in by the engine
 ]
 
-# %% ../nbs/01_tokenizer.ipynb #7288e0e9
+# %% ../nbs/01_tokenizer.ipynb #44abbbb4
 SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 
-# %% ../nbs/01_tokenizer.ipynb #b953849e
+# %% ../nbs/01_tokenizer.ipynb #64710f1f
 def bpe_encoding(mergeable_ranks, pattern=SPLIT_PATTERN, name="rustbpe"):
     "A `tiktoken.Encoding` from BPE ranks, with `SPECIAL_TOKENS` given the ids right after the last rank."
     ranks = {bytes(token): int(rank) for token, rank in dict(mergeable_ranks).items()}
@@ -44,7 +44,7 @@ def bpe_encoding(mergeable_ranks, pattern=SPLIT_PATTERN, name="rustbpe"):
     specials = {token: len(ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
     return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
-# %% ../nbs/01_tokenizer.ipynb #ceb8bf73
+# %% ../nbs/01_tokenizer.ipynb #8b4f5a60
 def train_bpe(texts, vocab_size, pattern=SPLIT_PATTERN):
     "Train byte-level BPE on an iterable of strings; returns a `tiktoken.Encoding` of `vocab_size` tokens."
     n_learned = vocab_size - len(SPECIAL_TOKENS)
@@ -59,7 +59,7 @@ def train_bpe(texts, vocab_size, pattern=SPLIT_PATTERN):
                       f"the vocabulary has {len(ranks) + len(SPECIAL_TOKENS)} tokens")
     return bpe_encoding(ranks, bpe.get_pattern())
 
-# %% ../nbs/01_tokenizer.ipynb #effb41f0
+# %% ../nbs/01_tokenizer.ipynb #cb19bf5c
 class _EncodingOnlyUnpickler(pickle.Unpickler):
     "An unpickler that can build a `tiktoken.Encoding` and nothing else."
     def find_class(self, module, name):
@@ -75,7 +75,7 @@ def load_pickled_encoding(path):
         raise ValueError(f"expected a pickled tiktoken.Encoding in {path}, found {type(enc).__name__}")
     return enc
 
-# %% ../nbs/01_tokenizer.ipynb #9c9bce5c
+# %% ../nbs/01_tokenizer.ipynb #67426d39
 def encoding_to_json(enc):
     "A JSON-ready dict of a `tiktoken.Encoding`: name, split pattern, special tokens, base64 tokens in rank order."
     n_ranks = enc.n_vocab - len(enc.special_tokens_set)
@@ -93,14 +93,14 @@ def encoding_from_json(data):
     return tiktoken.Encoding(name=data["name"], pat_str=data["pattern"], mergeable_ranks=ranks,
                              special_tokens={t: int(i) for t, i in data["special_tokens"].items()})
 
-# %% ../nbs/01_tokenizer.ipynb #98dfc574
+# %% ../nbs/01_tokenizer.ipynb #7cca60f3
 def token_byte_lengths(enc):
     "int32 tensor (V,): byte length of each token, 0 for special tokens (nanochat's token_bytes.pt)."
     specials = {enc.encode_single_token(t) for t in enc.special_tokens_set}
     lengths = [0 if i in specials else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
     return torch.tensor(lengths, dtype=torch.int32)  # (V,)
 
-# %% ../nbs/01_tokenizer.ipynb #af67e507
+# %% ../nbs/01_tokenizer.ipynb #3813f68c
 class Tokenizer:
     "BPE tokenizer with nanochat's special tokens, file format and chat rendering."
     PICKLE_FILE, JSON_FILE, TOKEN_BYTES_FILE = "tokenizer.pkl", "tokenizer.json", "token_bytes.pt"
@@ -191,7 +191,7 @@ class Tokenizer:
 
     def __repr__(self): return f"Tokenizer(vocab_size={self.get_vocab_size()}, name={self.enc.name!r})"
 
-# %% ../nbs/01_tokenizer.ipynb #b2235217
+# %% ../nbs/01_tokenizer.ipynb #f2cec47d
 def chat_messages(conversation):
     "The messages of `conversation`, validated, with a leading system message merged into the first user message."
     if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
@@ -220,7 +220,7 @@ def chat_messages(conversation):
             raise ValueError(f"expected user content (message {i}) to be a str, found {type(m['content']).__name__}")
     return messages
 
-# %% ../nbs/01_tokenizer.ipynb #2c760be8
+# %% ../nbs/01_tokenizer.ipynb #1e0f8c21
 def render_assistant_content(tokenizer, content):
     "Ids and mask of one assistant message's content (a str, or a list of text/python/python_output parts)."
     if isinstance(content, str):
@@ -244,7 +244,7 @@ def render_assistant_content(tokenizer, content):
         mask += [supervised] * len(part_ids)
     return ids, mask
 
-# %% ../nbs/01_tokenizer.ipynb #5fb64666
+# %% ../nbs/01_tokenizer.ipynb #14853878
 def render_conversation(tokenizer, conversation, max_tokens=2048):
     "Ids and loss mask of a conversation in nanochat's chat format, both truncated to `max_tokens`."
     ids, mask = [tokenizer.get_bos_token_id()], [0]
@@ -268,7 +268,7 @@ def render_for_completion(tokenizer, conversation):
     ids, _ = render_conversation(tokenizer, {**conversation, "messages": messages[:-1]})
     return ids + [tokenizer.encode_special("<|assistant_start|>")]
 
-# %% ../nbs/01_tokenizer.ipynb #943bfe7c
+# %% ../nbs/01_tokenizer.ipynb #d743bbad
 class MaskView:
     "Tokens with their loss mask; HTML spans in a notebook, an aligned two-row table as text."
     def __init__(self, tokens, ids, mask, width=100):

@@ -123,6 +123,11 @@ def test_saved_tokenizer_loads_back_identically(tok, tmp_path):
         assert loaded.enc._pat_str == tok.enc._pat_str
 
 
+def test_saved_pickle_is_byte_identical_to_nanochat(tok, tmp_path):
+    tok.save(tmp_path)
+    assert (tmp_path / "tokenizer.pkl").read_bytes() == (NANOCHAT / "tokenizer" / "tokenizer.pkl").read_bytes()
+
+
 def test_token_bytes_equal_nanochat_file(tok, tmp_path):
     tok.save(tmp_path)
     ours = torch.load(tmp_path / "token_bytes.pt", weights_only=True)
