@@ -9,8 +9,8 @@ __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'validate', 'build_parser
            'token_logp', 'backward_passes', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'resumable_step',
            'load_policy', 'train', 'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #aea69ec5
-import argparse, dataclasses, hashlib, json, math, os, random, sys, time
+# %% ../nbs/09_train.ipynb #1d713c80
+import argparse, dataclasses, hashlib, importlib, json, math, os, random, sys, time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,7 +27,7 @@ from .advantages import compute_advantages, zero_signal_groups
 from .loss import count_trained, loss_normalizer, pg_loss
 from .evaluate import evaluate_pass_at_k
 
-# %% ../nbs/09_train.ipynb #d3582e30
+# %% ../nbs/09_train.ipynb #6f7c251f
 def _flag(default, help):
     "A config field with its command-line help."
     return field(default=default, metadata={"help": help})
@@ -60,7 +60,8 @@ class Config:
     base_dir: str | None = _flag(None, "nanochat base directory (default $NANOCHAT_BASE_DIR, else ~/.cache/nanochat)")
     source: str = _flag("sft", "checkpoint family to start from: sft or rl")
     output_dir: str | None = _flag(None, "where chatrl_checkpoints/<tag>/ is written (default: the base directory)")
-    task: str = _flag("gsm8k", "training task: gsm8k, or arithmetic (the synthetic task of the demo)")
+    task: str = _flag("gsm8k", "training task: gsm8k, arithmetic (the demo's synthetic task), or module:factory, "
+                      "a function of the config returning (train task, held-out task)")
     data_dir: str | None = _flag(None, "local GSM8K files (train.jsonl/test.jsonl or parquet); default: the Hub")
     num_steps: int | None = _flag(None, "optimizer steps (default: epochs x problems / examples_per_step)")
     seed: int = _flag(0, "run seed: every sample's seed derives from (seed, step, problem, sample)")
@@ -78,7 +79,7 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
 
-# %% ../nbs/09_train.ipynb #322cc860
+# %% ../nbs/09_train.ipynb #a9e80d4b
 PRESETS = {
     "smoke": dict(num_steps=2, examples_per_step=2, num_samples=4, device_batch_size=4,
                   max_new_tokens=32, eval_every=1, eval_examples=4, save_every=1),
@@ -87,8 +88,8 @@ PRESETS = {
                  eval_every=10, eval_examples=200, save_every=20, init_lr_frac=1.0),
 }
 
-# %% ../nbs/09_train.ipynb #887cb131
-CHOICES = dict(source=("sft", "rl"), task=("gsm8k", "arithmetic"), advantage=("mean", "zscore"),
+# %% ../nbs/09_train.ipynb #a0db08f8
+CHOICES = dict(source=("sft", "rl"), advantage=("mean", "zscore"),
                loss_norm=("nanochat", "token", "sequence", "drgrpo"), lr_schedule=("linear", "cosine"),
                dtype=("auto", "float32", "bfloat16"), device_type=("", "cuda", "cpu", "mps"))
 POSITIVE = ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "eval_every",
@@ -101,6 +102,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(cfg, name)!r}")
     for name in POSITIVE:
         if getattr(cfg, name) < 1: raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.task not in ("gsm8k", "arithmetic") and cfg.task.count(":") != 1:
+        raise ValueError(f"--task must be gsm8k, arithmetic or module:factory, got {cfg.task!r}")
     if cfg.preset is not None and cfg.preset not in PRESETS:
         raise ValueError(f"unknown --preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     if cfg.examples_per_step % world_size:
@@ -114,7 +117,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if cfg.clip_eps < 0 or cfg.kl_coef < 0: raise ValueError("--clip-eps and --kl-coef must be >= 0")
     return cfg
 
-# %% ../nbs/09_train.ipynb #4e16ef70
+# %% ../nbs/09_train.ipynb #70e96612
 def _parse_bool(s: str) -> bool:
     "Parse true/false flags written as 1/0, true/false, yes/no."
     if s.lower() in ("1", "true", "yes", "on"): return True
@@ -149,7 +152,7 @@ def config_from_args(argv=None) -> Config:
         raise SystemExit(f"unknown --preset {preset!r}; known presets: {', '.join(PRESETS)}")
     return Config(**{**PRESETS.get(preset, {}), **given})
 
-# %% ../nbs/09_train.ipynb #b5bf473f
+# %% ../nbs/09_train.ipynb #df69a2b9
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available(): return "cuda"
@@ -180,25 +183,25 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     "An autocast context for low-precision compute, or nothing for float32."
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-# %% ../nbs/09_train.ipynb #6ddc2fb9
+# %% ../nbs/09_train.ipynb #893d9a00
 def derive_seed(*parts: int) -> int:
     "A 31-bit seed mixed from integers: the same on every machine, process and Python run."
     state = np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)
     return int(state[0]) & 0x7FFFFFFF
 
-# %% ../nbs/09_train.ipynb #0c4fb11f
+# %% ../nbs/09_train.ipynb #a3f41792
 def step_examples(step: int, examples_per_step: int, num_problems: int, rank: int = 0, world_size: int = 1) -> list[int]:
     "Indices of the training problems that `rank` uses at `step`."
     start = step * examples_per_step
     return [(start + j) % num_problems for j in range(rank, examples_per_step, world_size)]
 
-# %% ../nbs/09_train.ipynb #68a7bead
+# %% ../nbs/09_train.ipynb #cd287b69
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
     "Fraction of the initial learning rate at `step`: 1 at the start, 0 at num_steps."
     frac = min(step / num_steps, 1.0)
     return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
 
-# %% ../nbs/09_train.ipynb #5cdfd02e
+# %% ../nbs/09_train.ipynb #527b5b56
 def rollout(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seeds, max_rows):
     "Sample `num_samples` completions of each problem; returns prompts, flat sequences and masks."
     prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
@@ -211,7 +214,7 @@ def rollout(engine, tokenizer, task, indices, num_samples, max_new_tokens, tempe
         tool_calls += engine.last_stats.get("tool_calls", 0)
     return prompts, sequences, masks, tool_calls
 
-# %% ../nbs/09_train.ipynb #c545f180
+# %% ../nbs/09_train.ipynb #c38e29b9
 def collate(sequences, masks, pad_id: int, device="cpu"):
     "Pad rows into (inputs, targets) of shape (B, T-1); targets are -1 wherever mask is 0."
     T = max(len(s) for s in sequences)
@@ -223,7 +226,7 @@ def collate(sequences, masks, pad_id: int, device="cpu"):
     targets[mask[:, 1:] == 0] = -1
     return inputs.to(device), targets.to(device)
 
-# %% ../nbs/09_train.ipynb #2a1fbc59
+# %% ../nbs/09_train.ipynb #e35bc323
 def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="mean"):
     "Rewards (B,), advantages (B,) and the zero-signal flag of each group (G,), plus any shaping terms."
     rewards, terms = [], {}
@@ -237,7 +240,7 @@ def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="
     advantages = compute_advantages(rewards, num_samples, method=advantage)  # (B,)
     return rewards, advantages, zero_signal_groups(rewards, num_samples), terms
 
-# %% ../nbs/09_train.ipynb #6620c512
+# %% ../nbs/09_train.ipynb #0e3b4547
 def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_groups=None) -> list[list[int]]:
     "Row indices of each forward/backward pass: chunks of at most device_batch_size rows within a group."
     passes = []
@@ -247,7 +250,7 @@ def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_
         passes += [rows[i:i + device_batch_size] for i in range(0, group_size, device_batch_size)]
     return passes
 
-# %% ../nbs/09_train.ipynb #11e0a21b
+# %% ../nbs/09_train.ipynb #9ace266a
 def sync_gradients(params, world_size: int):
     "Average gradients over all ranks in place (parameters without a gradient count as zero)."
     if world_size == 1: return
@@ -260,7 +263,7 @@ def sync_gradients(params, world_size: int):
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)); offset += p.numel()
 
-# %% ../nbs/09_train.ipynb #d7ad0a78
+# %% ../nbs/09_train.ipynb #50db55ac
 def reduce_sums(values: dict, device, world_size: int) -> dict:
     "Sum a dict of numbers (or one-element tensors) over all ranks; returns floats."
     keys = sorted(values)
@@ -268,7 +271,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #ef2e67ed
+# %% ../nbs/09_train.ipynb #628bde59
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained(t != -1) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -295,7 +298,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
     return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #4136f68b
+# %% ../nbs/09_train.ipynb #f3e03635
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -307,7 +310,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-# %% ../nbs/09_train.ipynb #26a1c46d
+# %% ../nbs/09_train.ipynb #7c1fec6d
 class RunLog:
     "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
     def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
@@ -337,9 +340,12 @@ class RunLog:
         "Finish the wandb run, if any."
         if self.wandb is not None: self.wandb.finish()
 
-# %% ../nbs/09_train.ipynb #4037adda
+# %% ../nbs/09_train.ipynb #4230f3b2
 def make_tasks(cfg: Config):
     "(train task, held-out task) for the run."
+    if ":" in cfg.task:
+        module, name = cfg.task.split(":")
+        return getattr(importlib.import_module(module), name)(cfg)
     if cfg.task == "arithmetic": return Arithmetic(n=4000, seed=cfg.seed, split="train"), Arithmetic(n=4000, seed=cfg.seed, split="test")
     return GSM8K("main", "train", data_dir=cfg.data_dir), GSM8K("main", "test", data_dir=cfg.data_dir)
 
@@ -356,7 +362,7 @@ def resumable_step(directory: Path, world_size: int):
         if all((directory / name).is_file() for name in needed): return step
     return None
 
-# %% ../nbs/09_train.ipynb #e35e5a52
+# %% ../nbs/09_train.ipynb #62b7dcee
 def load_policy(cfg: Config, device, world_size: int, rank: int):
     "(model, tokenizer, out_dir, optimizer state or None, resume state or None) for this run."
     model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
@@ -374,11 +380,11 @@ def load_policy(cfg: Config, device, world_size: int, rank: int):
     model.load_state_dict(state)
     return model, tokenizer, out, optim_state, load_resume_state(out, step, rank)
 
-# %% ../nbs/09_train.ipynb #875f5c7e
+# %% ../nbs/09_train.ipynb #a2b9a8fe
 def train(cfg: Config) -> list[dict]:
     "Run on-policy RL as `cfg` says; returns the logged records (rank 0) and leaves checkpoints behind."
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world, device = init_distributed(cfg.device_type)
-    validate(cfg, world)
     try: return _train(cfg, rank, world, device)
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
@@ -425,7 +431,7 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #41e86a02
+# %% ../nbs/09_train.ipynb #869abde1
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
     t0 = time.perf_counter()
@@ -461,7 +467,7 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")},
             "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": t3 - t2}
 
-# %% ../nbs/09_train.ipynb #c5964bf9
+# %% ../nbs/09_train.ipynb #5fa3b6cb
 def _evaluate(cfg, engine, tokenizer, task, rank, world, master) -> dict:
     "pass@1..n on the first eval_examples held-out problems, the same problems and seeds every time."
     t0 = time.perf_counter()
@@ -493,7 +499,7 @@ def _line(r: dict, num_steps: int) -> str:
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} | loss {r['loss']:+.5f}"
             f" | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}" + (f" | {evals}" if evals else ""))
 
-# %% ../nbs/09_train.ipynb #cb1dd5f9
+# %% ../nbs/09_train.ipynb #9d12a3f5
 def param_fingerprint(model) -> str:
     "A hash of the exact bytes of every parameter."
     h = hashlib.sha256()
@@ -508,11 +514,12 @@ def _check_ranks_agree(model, world: int):
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1: raise RuntimeError(f"ranks ended with different parameters: {prints}")
 
-# %% ../nbs/09_train.ipynb #c1b48728
+# %% ../nbs/09_train.ipynb #cf9faaac
 def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
-    train(config_from_args(argv))
+    try: train(config_from_args(argv))
+    except (ValueError, FileNotFoundError) as e: sys.exit(f"nanorl.train: error: {e}")
 
-# %% ../nbs/09_train.ipynb #1876a9f4
+# %% ../nbs/09_train.ipynb #90092c85
 #| eval: false
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()
