@@ -1,0 +1,218 @@
+"Engine and calculator checks against nanochat's fixtures and the no-cache reference (tiny models, a few seconds)."
+import hashlib, json, math, random, threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest, torch
+
+from nanorl.engine import Engine, reference_generate, sample_next_token, use_calculator, row_key, gumbel_noise
+from nanorl.model import GPT, GPTConfig
+from nanorl.tokenizer import Tokenizer
+
+FIX = Path(__file__).parent / "fixtures" / "nanochat"
+GENERATIONS = {"head": ("d3", "current"), "oct2025": ("d2", "oct2025")}
+
+@pytest.fixture(scope="module")
+def tok(): return Tokenizer.from_directory(FIX / "tokenizer")
+
+def load_fixture_model(gen):
+    "The fixture model through checkpoint.load_model when available, else built from its state dict."
+    tag, generation = GENERATIONS[gen]
+    try:
+        from nanorl.checkpoint import load_model
+        model, _, _ = load_model("sft", "cpu", model_tag=tag, step=0, base_dir=FIX / gen)
+        return model.eval()
+    except ImportError: pass
+    d = FIX / gen / "chatsft_checkpoints" / tag
+    model = GPT(GPTConfig(**json.loads((d / "meta_000000.json").read_text())["model_config"], generation=generation))
+    sd = torch.load(d / "model_000000.pt", weights_only=True)
+    model.load_state_dict({k.removeprefix("_orig_mod."): v.float() for k, v in sd.items()})
+    return model.eval()
+
+# ---------------------------------------------------------------- calculator
+CALC = json.loads((FIX / "calculator.json").read_text())["cases"]
+
+def _expr(case):  # the fixture's own recipe for long expressions (test data, not model output)
+    return case["expr"] if case["expr"] is not None else eval(case["expr_construction"])
+
+@pytest.mark.parametrize("nanochat_format", [True, False])
+def test_calculator_matches_nanochat_fixture(nanochat_format):
+    for case in CALC:
+        e = _expr(case)
+        assert hashlib.sha256(e.encode()).hexdigest() == case["expr_sha256"]
+        got = use_calculator(e, nanochat_format=nanochat_format)
+        if case.get("str_error"):  # nanochat returns an int it cannot print (its Engine crashes); we return None
+            assert got is None
+        elif not nanochat_format and case["result_type"] == "float" and float(case["repr"]).is_integer():
+            assert repr(got) == case["repr"][:-2] and isinstance(got, int), e   # 10.0 -> 10
+        else:
+            assert (None if got is None else repr(got)) == case["repr"], e
+
+def test_calculator_quirks_and_limits():
+    assert use_calculator("'a,b,c'.count(',')") == 4 and use_calculator("'aaa'.count('a', 1)") is None
+    assert use_calculator("()") == () and use_calculator("...") is Ellipsis
+    assert use_calculator("'1+' * 3") is None and use_calculator("2**3") is None
+    assert use_calculator("'a'.zfill(99999999999).count('a')") is None
+    assert use_calculator("'abc'.count('a').real") is None
+    assert use_calculator("1" * 10_001) is None and use_calculator(b"1+1") is None and use_calculator(None) is None
+    assert use_calculator("1+" * 2000 + "1") == 2001                       # deeper than the recursion limit
+    assert use_calculator("-".join(["9" * 4000] * 2)) == 0
+    assert use_calculator("1 or 1/0".replace(" or ", "+0*")) is None          # 1+0*1/0 -> ZeroDivisionError
+    assert use_calculator("'ab'.count('a') or 'x'.count(1)") == 1              # short-circuit like Python
+    assert use_calculator("'x'.count('y') or 'ab'.upper().count('A')") == 1
+    assert use_calculator("12/60") == 0.2 and use_calculator("0.2*50") == 10 and use_calculator("0.2*50", True) == 10.0
+    assert str(use_calculator("-0.5*2")) == "-1"
+
+def test_calculator_in_threads():
+    out = {}
+    ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, use_calculator(f"{i}*{i}"))) for i in range(4)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    assert out == {i: i * i for i in range(4)}
+
+def test_calculator_random_arithmetic_against_python():
+    rnd = random.Random(1)
+    def gen(d=0):
+        if d > 4 or rnd.random() < 0.3: return rnd.choice(["3", "0", "17", "2.5", ".5", "1,234", "(8)", "-6", "1."])
+        return gen(d + 1) + rnd.choice(["+", " - ", "*", "/", "//"]) + gen(d + 1)
+    for _ in range(1000):
+        e = gen()
+        try: want = eval(e.replace(",", ""), {"__builtins__": {}})   # oracle on our own generated strings
+        except ZeroDivisionError: want = None
+        got = use_calculator(e, nanochat_format=True)
+        assert got == want or (isinstance(want, float) and math.isnan(want) and math.isnan(got)), e
+
+# ---------------------------------------------------------------- sampling
+def test_sample_next_token_contract():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 1.0, 5.0]])
+    assert sample_next_token(logits, None, temperature=0.0).tolist() == [[1], [0]]
+    out = sample_next_token(logits, torch.Generator().manual_seed(0), temperature=1.0, top_k=1)
+    assert out.shape == (2, 1) and out.tolist() == [[1], [0]]
+    with pytest.raises(ValueError): sample_next_token(logits, None, temperature=-1.0)
+
+def test_gumbel_noise_matches_softmax():
+    logits = torch.tensor([1.5, 0.5, 0.0, -2.0])
+    keys = torch.tensor([row_key(3, j) for j in range(40_000)])
+    picks = (logits + gumbel_noise(keys, 0, torch.arange(4).expand(len(keys), 4))).argmax(-1)
+    assert torch.allclose(torch.bincount(picks, minlength=4) / len(keys), torch.softmax(logits, -1), atol=0.01)
+
+# ---------------------------------------------------------------- engine vs nanochat fixtures
+@pytest.mark.parametrize("gen", ["head", "oct2025"])
+def test_greedy_equals_nanochat(gen, tok):
+    ref = torch.load(FIX / f"reference_{gen}.pt", weights_only=True)
+    eng = Engine(load_fixture_model(gen), tok)
+    prefix = [int(t) for t in ref["engine_prefix"]]
+    seqs, masks = eng.generate_batch(prefix, num_samples=2, max_tokens=24, temperature=0.0, top_k=None, seed=42)
+    assert seqs == [[int(t) for t in r] for r in ref["engine_greedy_results"]]
+    assert masks == [[int(t) for t in r] for r in ref["engine_greedy_masks"]]
+    cols = [c for c, _ in eng.generate(prefix, num_samples=2, max_tokens=24, temperature=0.0)]
+    assert cols == json.loads((FIX / f"reference_{gen}.json").read_text())["engine"]["greedy"]["stream_columns"]
+
+class ScriptedCache:
+    "Per row: which script it follows, its position in it and its last proposal (moves with prefill_rows/select_rows)."
+    def __init__(self, batch_size):
+        self.row, self.pointer, self.proposal, self.seqlens = [None] * batch_size, [0] * batch_size, [None] * batch_size, [0] * batch_size
+    @property
+    def batch_size(self): return len(self.row)
+    def prefill_rows(self, other, rows):
+        for r in rows: self.pointer[r], self.proposal[r], self.seqlens[r] = other.pointer[0], other.proposal[0], other.seqlens[0]
+    def select_rows(self, index):
+        index = [int(i) for i in index]
+        for name in ("row", "pointer", "proposal", "seqlens"): setattr(self, name, [getattr(self, name)[i] for i in index])
+        return self
+
+class ScriptedModel:
+    "The fixture's fake model: row r proposes script[r][i] (logit 10); i advances past sampled (not forced) tokens."
+    def __init__(self, scripts, vocab_size, end_token):
+        self.scripts, self.end_token, self.softcap = scripts, end_token, None
+        self.config = SimpleNamespace(sequence_len=256, vocab_size=vocab_size)
+    def get_device(self): return torch.device("cpu")
+    def new_kv_cache(self, batch_size, seq_len=None, dtype=None): return ScriptedCache(batch_size)
+    def hidden(self, idx, kv_cache):
+        props = []
+        for b in range(idx.shape[0]):
+            if kv_cache.seqlens[b] == 0: row, i = 0, 0
+            else:
+                if kv_cache.row[b] is None: kv_cache.row[b] = b
+                kv_cache.pointer[b] += idx[b, -1].item() == kv_cache.proposal[b]
+                row, i = kv_cache.row[b], kv_cache.pointer[b]
+            p = self.scripts[row][i] if i < len(self.scripts[row]) else self.end_token
+            kv_cache.proposal[b] = p; kv_cache.seqlens[b] += idx.shape[1]; props.append(p)
+        return torch.tensor(props, dtype=torch.float32).view(-1, 1, 1).expand(-1, idx.shape[1], 1)
+    def unembed(self, h, softcap=True):
+        return torch.zeros(*h.shape[:-1], self.config.vocab_size).scatter_(-1, h.long(), 10.0)
+
+def test_tool_script_replay(tok):
+    script = json.loads((FIX / "engine_tool_script.json").read_text())
+    for case in script["cases"]:
+        model = ScriptedModel(case["scripts"], tok.get_vocab_size(), tok.encode_special("<|assistant_end|>"))
+        eng = Engine(model, tok, nanochat_format=True)
+        kw = dict(num_samples=2, max_tokens=script["max_tokens"], temperature=0.0)
+        assert eng.generate_batch(script["prefix"], **kw) == (case["results"], case["masks"]), case["name"]
+        assert [[c, m] for c, m in eng.generate(script["prefix"], **kw)] == case["stream"], case["name"]
+    # default formatting forces "10" where nanochat forces "10.0"
+    case = script["cases"][0]
+    seqs, _ = Engine(ScriptedModel(case["scripts"], tok.get_vocab_size(), tok.encode_special("<|assistant_end|>")), tok).generate_batch(
+        script["prefix"], 2, script["max_tokens"], temperature=0.0)
+    assert "<|output_start|>10<|output_end|>" in tok.decode(seqs[0])
+
+# ---------------------------------------------------------------- engine vs the no-cache reference
+class BiasedModel(torch.nn.Module):
+    "A GPT with a fixed bias on its raw logits (makes tool calls and stops frequent)."
+    def __init__(self, base, bias):
+        super().__init__()
+        self.base, self.bias, self.config, self.softcap, self.lm_head = base, bias, base.config, base.softcap, base.lm_head
+    def get_device(self): return self.base.get_device()
+    def new_kv_cache(self, *a, **kw): return self.base.new_kv_cache(*a, **kw)
+    def hidden(self, idx, kv_cache=None): return self.base.hidden(idx, kv_cache)
+    def unembed(self, h, softcap=True):
+        raw = self.base.unembed(h, softcap=False) + self.bias
+        return self.softcap * torch.tanh(raw / self.softcap) if softcap else raw
+    def forward(self, idx): return self.unembed(self.hidden(idx))
+
+@pytest.fixture(scope="module")
+def tool_model(tok):
+    bias = torch.zeros(tok.get_vocab_size())
+    for t in ["<|python_start|>", "<|python_end|>"]: bias[tok.encode_special(t)] = 9.0
+    bias[tok.encode_special("<|assistant_end|>")] = 5.0
+    for s in "123456789": bias[tok.encode(s)[0]] = 10.0
+    for s in "+*": bias[tok.encode(s)[0]] = 8.0
+    return BiasedModel(load_fixture_model("head"), bias)
+
+@pytest.fixture(scope="module")
+def prompt(tok):
+    return tok.render_for_completion({"messages": [{"role": "user", "content": "What is 6 times 7?"}, {"role": "assistant", "content": ""}]})
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 50), (0.8, None), (0.0, None)])
+def test_engine_equals_no_cache_reference(tok, tool_model, prompt, temperature, top_k):
+    eng = Engine(tool_model, tok)
+    kw = dict(num_samples=6, max_tokens=32, temperature=temperature, top_k=top_k, seed=1)
+    got = eng.generate_batch(prompt, **kw)
+    assert got == reference_generate(tool_model, tok, prompt, **kw)
+    if temperature > 0: assert eng.last_stats["tool_calls"] > 0 and eng.last_stats["forced_tokens"] > 0
+
+def test_retirement_and_batching_change_nothing(tok, tool_model, prompt):
+    prompts = [prompt, prompt[:5], tok.encode("Total:", prepend="<|bos|>")]
+    eng = Engine(tool_model, tok)
+    many = eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3])
+    stats = dict(eng.last_stats)
+    assert stats["rows_retired"] > 0 and stats["forward_rows"] < stats["rows"] * stats["decode_steps"]
+    eng.compact_fraction = 10.0          # never compact: finished rows stay in the batch
+    assert eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3]) == many
+    eng.compact_fraction = 0.0           # compact at every finish
+    assert eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3]) == many
+    singles = [eng.generate_batch(p, 4, 24, top_k=50, seed=s) for p, s in zip(prompts, [1, 2, 3])]
+    assert many == ([s for q, _ in singles for s in q], [m for _, ms in singles for m in ms])
+    assert stats["sampled_tokens"] + stats["forced_tokens"] == sum(len(s) for s in many[0]) - 4 * sum(map(len, prompts))
+
+def test_determinism_min_new_tokens_and_errors(tok, tool_model, prompt):
+    eng = Engine(tool_model, tok)
+    a = eng.generate_batch(prompt, 3, 16, seed=7)
+    assert a == eng.generate_batch(prompt, 3, 16, seed=7) and a != eng.generate_batch(prompt, 3, 16, seed=8)
+    seqs, _ = eng.generate_batch(prompt, 3, 20, seed=7, min_new_tokens=20)
+    assert all(len(s) == len(prompt) + 20 for s in seqs)   # stop tokens suppressed
+    assert eng.generate_batch(prompt, 2, 0) == ([prompt, prompt], [[0] * len(prompt)] * 2)
+    for bad in [dict(num_samples=0), dict(max_tokens=10 * 256), dict(temperature=-1.0)]:
+        with pytest.raises(ValueError): eng.generate_batch(prompt, **{"num_samples": 1, "max_tokens": 4, **bad})
+    with pytest.raises(ValueError): eng.generate_many([prompt, []], 1, 4)
+    with pytest.raises(ValueError): eng.generate_many([prompt, prompt], 1, 4, seed=[1])
