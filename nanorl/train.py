@@ -6,11 +6,12 @@
 __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'validate', 'build_parser', 'config_from_args', 'autodetect_device_type',
            'init_distributed', 'compute_dtype', 'autocast_for', 'derive_seed', 'step_examples', 'lr_multiplier',
            'rollout', 'collate', 'score', 'microbatches', 'sync_gradients', 'reduce_sums', 'step_normalizer',
-           'token_logp', 'backward_passes', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'resumable_step',
-           'load_policy', 'train', 'param_fingerprint', 'main']
+           'token_logp', 'backward_passes', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable',
+           'complete_steps', 'elastic_restarts', 'load_policy', 'load_resume_point', 'NonFiniteError', 'train',
+           'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #1d713c80
-import argparse, dataclasses, hashlib, importlib, json, math, os, random, sys, time
+# %% ../nbs/09_train.ipynb #681eaa63
+import argparse, dataclasses, hashlib, importlib, json, math, os, random, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,14 +21,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .checkpoint import checkpoint_steps, get_base_dir, load_checkpoint, load_model, load_resume_state, save_checkpoint
+from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_checkpoint, load_model, load_resume_state, save_checkpoint
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic
 from .advantages import compute_advantages, zero_signal_groups
 from .loss import count_trained, loss_normalizer, pg_loss
 from .evaluate import evaluate_pass_at_k
 
-# %% ../nbs/09_train.ipynb #6f7c251f
+# %% ../nbs/09_train.ipynb #66009321
 def _flag(default, help):
     "A config field with its command-line help."
     return field(default=default, metadata={"help": help})
@@ -79,7 +80,7 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
 
-# %% ../nbs/09_train.ipynb #a9e80d4b
+# %% ../nbs/09_train.ipynb #c5b51686
 PRESETS = {
     "smoke": dict(num_steps=2, examples_per_step=2, num_samples=4, device_batch_size=4,
                   max_new_tokens=32, eval_every=1, eval_examples=4, save_every=1),
@@ -88,7 +89,7 @@ PRESETS = {
                  eval_every=10, eval_examples=200, save_every=20, init_lr_frac=1.0),
 }
 
-# %% ../nbs/09_train.ipynb #a0db08f8
+# %% ../nbs/09_train.ipynb #2f4f2779
 CHOICES = dict(source=("sft", "rl"), advantage=("mean", "zscore"),
                loss_norm=("nanochat", "token", "sequence", "drgrpo"), lr_schedule=("linear", "cosine"),
                dtype=("auto", "float32", "bfloat16"), device_type=("", "cuda", "cpu", "mps"))
@@ -117,7 +118,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if cfg.clip_eps < 0 or cfg.kl_coef < 0: raise ValueError("--clip-eps and --kl-coef must be >= 0")
     return cfg
 
-# %% ../nbs/09_train.ipynb #70e96612
+# %% ../nbs/09_train.ipynb #82b440dd
 def _parse_bool(s: str) -> bool:
     "Parse true/false flags written as 1/0, true/false, yes/no."
     if s.lower() in ("1", "true", "yes", "on"): return True
@@ -152,7 +153,7 @@ def config_from_args(argv=None) -> Config:
         raise SystemExit(f"unknown --preset {preset!r}; known presets: {', '.join(PRESETS)}")
     return Config(**{**PRESETS.get(preset, {}), **given})
 
-# %% ../nbs/09_train.ipynb #df69a2b9
+# %% ../nbs/09_train.ipynb #a3f0946f
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available(): return "cuda"
@@ -183,38 +184,51 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     "An autocast context for low-precision compute, or nothing for float32."
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-# %% ../nbs/09_train.ipynb #893d9a00
+# %% ../nbs/09_train.ipynb #9e329f33
 def derive_seed(*parts: int) -> int:
     "A 31-bit seed mixed from integers: the same on every machine, process and Python run."
     state = np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)
     return int(state[0]) & 0x7FFFFFFF
 
-# %% ../nbs/09_train.ipynb #a3f41792
+# %% ../nbs/09_train.ipynb #d17999f4
 def step_examples(step: int, examples_per_step: int, num_problems: int, rank: int = 0, world_size: int = 1) -> list[int]:
     "Indices of the training problems that `rank` uses at `step`."
     start = step * examples_per_step
     return [(start + j) % num_problems for j in range(rank, examples_per_step, world_size)]
 
-# %% ../nbs/09_train.ipynb #cd287b69
+# %% ../nbs/09_train.ipynb #b229a1f3
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
     "Fraction of the initial learning rate at `step`: 1 at the start, 0 at num_steps."
     frac = min(step / num_steps, 1.0)
     return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
 
-# %% ../nbs/09_train.ipynb #527b5b56
+# %% ../nbs/09_train.ipynb #80887168
 def rollout(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seeds, max_rows):
-    "Sample `num_samples` completions of each problem; returns prompts, flat sequences and masks."
+    "Sample `num_samples` completions of each problem; returns prompts, flat sequences, masks, tool calls and rows per call."
     prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
     per_call = max(1, max_rows // num_samples)
-    sequences, masks, tool_calls = [], [], 0
-    for j in range(0, len(prompts), per_call):
-        seqs, msks = engine.generate_many(prompts[j:j + per_call], num_samples=num_samples, max_tokens=max_new_tokens,
-                                          temperature=temperature, top_k=top_k or None, seed=seeds[j:j + per_call])
-        sequences += seqs; masks += msks
+    sequences, masks, tool_calls, j = [], [], 0, 0
+    while j < len(prompts):
+        try:
+            seqs, msks = engine.generate_many(prompts[j:j + per_call], num_samples=num_samples, max_tokens=max_new_tokens,
+                                              temperature=temperature, top_k=top_k or None, seed=seeds[j:j + per_call])
+        except torch.OutOfMemoryError as e:
+            per_call = _halve_after_oom(per_call, num_samples, e)
+            continue
+        sequences += seqs; masks += msks; j += per_call
         tool_calls += engine.last_stats.get("tool_calls", 0)
-    return prompts, sequences, masks, tool_calls
+    return prompts, sequences, masks, tool_calls, per_call * num_samples
 
-# %% ../nbs/09_train.ipynb #c38e29b9
+def _halve_after_oom(per_call: int, num_samples: int, error) -> int:
+    "Prompts per engine call after an out-of-memory error: half as many, or a clear error at one prompt."
+    if per_call == 1:
+        raise torch.OutOfMemoryError(f"out of memory generating {num_samples} samples of a single prompt; lower "
+                                     f"--num-samples or --max-new-tokens ({error})") from error
+    if torch.cuda.is_available(): torch.cuda.empty_cache()
+    tqdm.write(f"nanorl: out of memory in a rollout of {per_call * num_samples} rows; retrying with {per_call // 2 * num_samples}")
+    return per_call // 2
+
+# %% ../nbs/09_train.ipynb #334fba44
 def collate(sequences, masks, pad_id: int, device="cpu"):
     "Pad rows into (inputs, targets) of shape (B, T-1); targets are -1 wherever mask is 0."
     T = max(len(s) for s in sequences)
@@ -226,7 +240,7 @@ def collate(sequences, masks, pad_id: int, device="cpu"):
     targets[mask[:, 1:] == 0] = -1
     return inputs.to(device), targets.to(device)
 
-# %% ../nbs/09_train.ipynb #e35bc323
+# %% ../nbs/09_train.ipynb #997132fe
 def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="mean"):
     "Rewards (B,), advantages (B,) and the zero-signal flag of each group (G,), plus any shaping terms."
     rewards, terms = [], {}
@@ -240,7 +254,7 @@ def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="
     advantages = compute_advantages(rewards, num_samples, method=advantage)  # (B,)
     return rewards, advantages, zero_signal_groups(rewards, num_samples), terms
 
-# %% ../nbs/09_train.ipynb #0e3b4547
+# %% ../nbs/09_train.ipynb #65c41166
 def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_groups=None) -> list[list[int]]:
     "Row indices of each forward/backward pass: chunks of at most device_batch_size rows within a group."
     passes = []
@@ -250,7 +264,7 @@ def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_
         passes += [rows[i:i + device_batch_size] for i in range(0, group_size, device_batch_size)]
     return passes
 
-# %% ../nbs/09_train.ipynb #9ace266a
+# %% ../nbs/09_train.ipynb #fc434b09
 def sync_gradients(params, world_size: int):
     "Average gradients over all ranks in place (parameters without a gradient count as zero)."
     if world_size == 1: return
@@ -263,7 +277,7 @@ def sync_gradients(params, world_size: int):
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)); offset += p.numel()
 
-# %% ../nbs/09_train.ipynb #50db55ac
+# %% ../nbs/09_train.ipynb #e599a77f
 def reduce_sums(values: dict, device, world_size: int) -> dict:
     "Sum a dict of numbers (or one-element tensors) over all ranks; returns floats."
     keys = sorted(values)
@@ -271,7 +285,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #628bde59
+# %% ../nbs/09_train.ipynb #7bee999c
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained(t != -1) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -298,7 +312,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
     return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #f3e03635
+# %% ../nbs/09_train.ipynb #f084400b
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -310,7 +324,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-# %% ../nbs/09_train.ipynb #7c1fec6d
+# %% ../nbs/09_train.ipynb #29d2d25c
 class RunLog:
     "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
     def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
@@ -340,9 +354,19 @@ class RunLog:
         "Finish the wandb run, if any."
         if self.wandb is not None: self.wandb.finish()
 
-# %% ../nbs/09_train.ipynb #4230f3b2
+# %% ../nbs/09_train.ipynb #e5a01f43
 def make_tasks(cfg: Config):
-    "(train task, held-out task) for the run."
+    "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
+    try: train_task, val_task = _build_tasks(cfg)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the GSM8K files under --data-dir {cfg.data_dir} must hold one JSON object per line; "
+                         f"found a line that is not JSON ({e})") from e
+    for name, t in (("training", train_task), ("held-out", val_task)):
+        if len(t) == 0: raise ValueError(f"the {name} task of --task {cfg.task} has no problems (--data-dir {cfg.data_dir})")
+    return train_task, val_task
+
+def _build_tasks(cfg: Config):
+    "The task pair named by --task."
     if ":" in cfg.task:
         module, name = cfg.task.split(":")
         return getattr(importlib.import_module(module), name)(cfg)
@@ -354,36 +378,75 @@ def run_dir(cfg: Config, model_config) -> Path:
     root = Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir)
     return root / "chatrl_checkpoints" / (cfg.model_tag or f"d{model_config.n_layer}")
 
-def resumable_step(directory: Path, world_size: int):
-    "The last step in `directory` with a model, meta, and every rank's optimizer and resume state; else None."
-    if not directory.is_dir(): return None
-    for step in reversed(checkpoint_steps(directory)):
-        needed = [f"meta_{step:06d}.json"] + [f"{kind}_{step:06d}_rank{r}.pt" for kind in ("optim", "resume") for r in range(world_size)]
-        if all((directory / name).is_file() for name in needed): return step
-    return None
+def check_writable(directory: Path):
+    "Raise a ValueError naming `directory` unless checkpoints can be written there (checked before any work)."
+    directory = Path(directory).expanduser().absolute()
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    try:
+        if not existing.is_dir(): raise NotADirectoryError(f"{existing} is a file")
+        if existing == directory:
+            with tempfile.NamedTemporaryFile(dir=directory): pass
+        elif not os.access(existing, os.W_OK | os.X_OK): raise PermissionError(f"{existing} is not writable")
+    except OSError as e:
+        raise ValueError(f"the run writes its checkpoints under {directory}, which is not writable ({e}); "
+                         "pass a writable --output-dir") from e
 
-# %% ../nbs/09_train.ipynb #62b7dcee
+def complete_steps(directory: Path, world_size: int) -> list[int]:
+    "Steps in `directory` with a model, meta, and every rank's optimizer and resume state, newest first."
+    if not directory.is_dir(): return []
+    def complete(step):
+        needed = [f"meta_{step:06d}.json"] + [f"{kind}_{step:06d}_rank{r}.pt" for kind in ("optim", "resume") for r in range(world_size)]
+        return all((directory / name).is_file() for name in needed)
+    return [s for s in reversed(checkpoint_steps(directory)) if complete(s)]
+
+# %% ../nbs/09_train.ipynb #dc2853be
+def elastic_restarts() -> int:
+    "How often torchrun has restarted this worker group (0 outside torchrun and on the first attempt)."
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
 def load_policy(cfg: Config, device, world_size: int, rank: int):
     "(model, tokenizer, out_dir, optimizer state or None, resume state or None) for this run."
     model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
                                         phase="train", base_dir=cfg.base_dir)
     out = run_dir(cfg, model.config)
-    step = resumable_step(out, world_size)
-    if not cfg.resume:
-        if step is not None:
-            raise ValueError(f"{out} already holds checkpoints of a run (step {step}); pass --resume to continue it, "
+    steps = complete_steps(out, world_size)
+    if not (cfg.resume or (elastic_restarts() > 0 and steps)):
+        if steps:
+            raise ValueError(f"{out} already holds checkpoints of a run (step {steps[0]}); pass --resume to continue it, "
                              "or --output-dir/--model-tag to start a new one elsewhere")
         return model, tokenizer, out, None, None
-    if step is None: raise ValueError(f"--resume: expected a complete checkpoint (model, meta, optim and resume files of "
-                                      f"{world_size} rank(s)) in {out}, found none")
-    state, optim_state, _ = load_checkpoint(out, step, device, load_optimizer=True, rank=rank)
+    if not steps: raise ValueError(f"--resume: expected a complete checkpoint (model, meta, optim and resume files of "
+                                   f"{world_size} rank(s)) in {out}, found none")
+    state, optim_state, resume = load_resume_point(out, steps, device, world_size, rank)
     model.load_state_dict(state)
-    return model, tokenizer, out, optim_state, load_resume_state(out, step, rank)
+    return model, tokenizer, out, optim_state, resume
 
-# %% ../nbs/09_train.ipynb #a2b9a8fe
+def _read_resume_files(out, step, device, rank):
+    "(model state, optimizer state, resume state) of one step for this rank."
+    state, optim_state, _ = load_checkpoint(out, step, device, load_optimizer=True, rank=rank)
+    return state, optim_state, load_resume_state(out, step, rank)
+
+def load_resume_point(out, steps, device, world_size: int, rank: int):
+    "The files of the newest step (of `steps`, newest first) that every rank can read."
+    mine, errors = -1, []
+    for step in steps:
+        try: files = _read_resume_files(out, step, device, rank); mine = step; break
+        except Exception as e:
+            errors.append(f"step {step}: {type(e).__name__}: {str(e)[:200]}")
+            warnings.warn(f"cannot resume from step {step} in {out}, trying an earlier one: {errors[-1]}")
+    agreed = torch.tensor([mine])
+    if world_size > 1: dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if agreed.item() < 0: raise CheckpointError(f"--resume: no readable checkpoint in {out}; " + " | ".join(errors))
+    return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
+
+# %% ../nbs/09_train.ipynb #b674a029
+class NonFiniteError(RuntimeError):
+    "Too many optimizer steps in a row had a non-finite loss or gradient."
+
 def train(cfg: Config) -> list[dict]:
     "Run on-policy RL as `cfg` says; returns the logged records (rank 0) and leaves checkpoints behind."
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    check_writable(Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir))
     rank, world, device = init_distributed(cfg.device_type)
     try: return _train(cfg, rank, world, device)
     finally:
@@ -395,6 +458,9 @@ def _train(cfg, rank, world, device):
     dtype = compute_dtype(cfg, device)
     autocast = autocast_for(device, dtype)
     train_task, val_task = make_tasks(cfg)
+    num_steps = cfg.num_steps or (len(train_task) // cfg.examples_per_step) * cfg.num_epochs
+    if num_steps < 1: raise ValueError(f"{len(train_task)} training problems make no step of --examples-per-step "
+                                       f"{cfg.examples_per_step}; lower it or pass --num-steps")
     model, tokenizer, out, optim_state, resume = load_policy(cfg, device, world, rank)
     ref_model = _frozen_copy(model) if cfg.kl_coef > 0 else None
     optimizer = model.setup_optimizers(unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr,
@@ -402,45 +468,51 @@ def _train(cfg, rank, world, device):
     for group in optimizer.param_groups: group["lr"] = group["initial_lr"] = group["initial_lr"] * cfg.init_lr_frac
     if optim_state is not None: optimizer.load_state_dict(optim_state)
     engine = Engine(model, tokenizer)
-    num_steps = cfg.num_steps or (len(train_task) // cfg.examples_per_step) * cfg.num_epochs
-    start = resume["step"] if resume else 0
-    bad_steps = resume.get("bad_steps", 0) if resume else 0
+    resume = resume or {}
+    start, bad_steps, skipped = resume.get("step", 0), resume.get("bad_steps", 0), resume.get("skipped", 0)
+    if "torch_rng" in resume: torch.set_rng_state(resume["torch_rng"])
     log = RunLog(out / "metrics.jsonl", cfg, start_step=start, enabled=master)
     pad_id = tokenizer.encode_special("<|assistant_end|>")
-    if master: print(f"nanorl: {num_steps} steps, {world} rank(s) on {device}, {dtype}; writing {out}")
-    last = False
+    if master: print(f"nanorl: {num_steps} steps, {world} rank(s) on {device}, {dtype}; writing {out}"
+                     + (f"; resuming at step {start} (elastic restart {elastic_restarts()})" if start else ""))
+    last, rollout_rows = False, cfg.rollout_rows
     bar = tqdm(range(start, num_steps), initial=start, total=num_steps, disable=not master, desc="rl")
     for step in bar:
         record = {"step": step, "lrm": lr_multiplier(step, num_steps, cfg.lr_schedule)}
         if step % cfg.eval_every == 0: record |= _evaluate(cfg, engine, tokenizer, val_task, rank, world, master)
         model.train()
         record |= _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, train_task, pad_id,
-                           autocast, rank, world, device, record["lrm"])
-        bad_steps = bad_steps + 1 if math.isnan(record["grad_norm"]) else 0
-        if bad_steps >= cfg.max_bad_steps:
-            raise RuntimeError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last at step {step}); "
-                               "stopping. Lower the learning rates or check the data; --resume continues from the last checkpoint")
+                           autocast, rank, world, device, record["lrm"], rollout_rows)
+        rollout_rows = record["rollout_rows"] if record["rollout_rows"] < rollout_rows else min(2 * rollout_rows, cfg.rollout_rows)
+        bad = math.isnan(record["grad_norm"])              # the update was skipped
+        bad_steps, skipped = (bad_steps + 1 if bad else 0), skipped + bad
+        record["skipped"] = skipped
         last = step == num_steps - 1
         if last and step % cfg.eval_every: record |= _evaluate(cfg, engine, tokenizer, val_task, rank, world, master)
         log.log(record)
+        if bad_steps >= cfg.max_bad_steps:
+            raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last at step {step}), "
+                                 "their updates were skipped; stopping. Lower the learning rates or check the rewards; "
+                                 "--resume continues from the last checkpoint")
         if master: bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:+.4f}")
         if master and (step % 10 == 0 or last): tqdm.write(_line(record, num_steps))
         if (step > 0 and step % cfg.save_every == 0) or last:
-            _save(out, step, model, optimizer, {"step": step + 1, "bad_steps": bad_steps}, rank)
+            _save(out, step, model, optimizer, {"step": step + 1, "bad_steps": bad_steps, "skipped": skipped}, rank)
     if last: _check_ranks_agree(model, world)
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #869abde1
-def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm) -> dict:
+# %% ../nbs/09_train.ipynb #45672b54
+def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
+             rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
     t0 = time.perf_counter()
     indices = step_examples(step, cfg.examples_per_step, len(task), rank, world)
     seeds = [derive_seed(cfg.seed, step, i) for i in indices]
     model.eval()
     with autocast:
-        prompts, sequences, masks, tool_calls = rollout(engine, tokenizer, task, indices, cfg.num_samples, cfg.max_new_tokens,
-                                                        cfg.temperature, cfg.top_k, seeds, cfg.rollout_rows)
+        prompts, sequences, masks, tool_calls, rows_used = rollout(engine, tokenizer, task, indices, cfg.num_samples,
+                                                                   cfg.max_new_tokens, cfg.temperature, cfg.top_k, seeds, rollout_rows)
     model.train()
     t1 = time.perf_counter()
     rewards, advantages, zero_signal, terms = score(tokenizer, task, indices, prompts, sequences, cfg.num_samples, cfg.advantage)
@@ -463,11 +535,11 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
     return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / world,
             "grad_norm": grad_norm, "entropy": -sums["logp"] / max(sums["tokens"], 1),
             "zero_signal_frac": sums["zero_signal"] / sums["groups"], "tool_calls_per_sample": sums["tool_calls"] / rows,
-            "lr": lrm * optimizer.param_groups[0]["initial_lr"],
+            "lr": lrm * optimizer.param_groups[0]["initial_lr"], "rollout_rows": rows_used,
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")},
             "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": t3 - t2}
 
-# %% ../nbs/09_train.ipynb #5fa3b6cb
+# %% ../nbs/09_train.ipynb #96a7e9f1
 def _evaluate(cfg, engine, tokenizer, task, rank, world, master) -> dict:
     "pass@1..n on the first eval_examples held-out problems, the same problems and seeds every time."
     t0 = time.perf_counter()
@@ -499,7 +571,7 @@ def _line(r: dict, num_steps: int) -> str:
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} | loss {r['loss']:+.5f}"
             f" | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}" + (f" | {evals}" if evals else ""))
 
-# %% ../nbs/09_train.ipynb #9d12a3f5
+# %% ../nbs/09_train.ipynb #b9fc41d6
 def param_fingerprint(model) -> str:
     "A hash of the exact bytes of every parameter."
     h = hashlib.sha256()
@@ -514,12 +586,12 @@ def _check_ranks_agree(model, world: int):
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1: raise RuntimeError(f"ranks ended with different parameters: {prints}")
 
-# %% ../nbs/09_train.ipynb #cf9faaac
+# %% ../nbs/09_train.ipynb #37499a55
 def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
     try: train(config_from_args(argv))
-    except (ValueError, FileNotFoundError) as e: sys.exit(f"nanorl.train: error: {e}")
+    except (ValueError, FileNotFoundError, NonFiniteError) as e: sys.exit(f"nanorl.train: error: {e}")
 
-# %% ../nbs/09_train.ipynb #90092c85
+# %% ../nbs/09_train.ipynb #219dfbb2
 #| eval: false
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()
