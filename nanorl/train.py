@@ -10,7 +10,7 @@ __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'validate', 'build_parser
            'complete_steps', 'elastic_restarts', 'load_policy', 'load_resume_point', 'NonFiniteError', 'train',
            'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #681eaa63
+# %% ../nbs/09_train.ipynb #e5ea0fc7
 import argparse, dataclasses, hashlib, importlib, json, math, os, random, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -28,7 +28,7 @@ from .advantages import compute_advantages, zero_signal_groups
 from .loss import count_trained, loss_normalizer, pg_loss
 from .evaluate import evaluate_pass_at_k
 
-# %% ../nbs/09_train.ipynb #66009321
+# %% ../nbs/09_train.ipynb #9e458df9
 def _flag(default, help):
     "A config field with its command-line help."
     return field(default=default, metadata={"help": help})
@@ -80,7 +80,7 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
 
-# %% ../nbs/09_train.ipynb #c5b51686
+# %% ../nbs/09_train.ipynb #a5f91367
 PRESETS = {
     "smoke": dict(num_steps=2, examples_per_step=2, num_samples=4, device_batch_size=4,
                   max_new_tokens=32, eval_every=1, eval_examples=4, save_every=1),
@@ -89,7 +89,7 @@ PRESETS = {
                  eval_every=10, eval_examples=200, save_every=20, init_lr_frac=1.0),
 }
 
-# %% ../nbs/09_train.ipynb #2f4f2779
+# %% ../nbs/09_train.ipynb #46d40b58
 CHOICES = dict(source=("sft", "rl"), advantage=("mean", "zscore"),
                loss_norm=("nanochat", "token", "sequence", "drgrpo"), lr_schedule=("linear", "cosine"),
                dtype=("auto", "float32", "bfloat16"), device_type=("", "cuda", "cpu", "mps"))
@@ -118,7 +118,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if cfg.clip_eps < 0 or cfg.kl_coef < 0: raise ValueError("--clip-eps and --kl-coef must be >= 0")
     return cfg
 
-# %% ../nbs/09_train.ipynb #82b440dd
+# %% ../nbs/09_train.ipynb #73ee4ca3
 def _parse_bool(s: str) -> bool:
     "Parse true/false flags written as 1/0, true/false, yes/no."
     if s.lower() in ("1", "true", "yes", "on"): return True
@@ -153,7 +153,7 @@ def config_from_args(argv=None) -> Config:
         raise SystemExit(f"unknown --preset {preset!r}; known presets: {', '.join(PRESETS)}")
     return Config(**{**PRESETS.get(preset, {}), **given})
 
-# %% ../nbs/09_train.ipynb #a3f0946f
+# %% ../nbs/09_train.ipynb #988c2283
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available(): return "cuda"
@@ -184,25 +184,25 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     "An autocast context for low-precision compute, or nothing for float32."
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-# %% ../nbs/09_train.ipynb #9e329f33
+# %% ../nbs/09_train.ipynb #3551676c
 def derive_seed(*parts: int) -> int:
     "A 31-bit seed mixed from integers: the same on every machine, process and Python run."
     state = np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)
     return int(state[0]) & 0x7FFFFFFF
 
-# %% ../nbs/09_train.ipynb #d17999f4
+# %% ../nbs/09_train.ipynb #936c9304
 def step_examples(step: int, examples_per_step: int, num_problems: int, rank: int = 0, world_size: int = 1) -> list[int]:
     "Indices of the training problems that `rank` uses at `step`."
     start = step * examples_per_step
     return [(start + j) % num_problems for j in range(rank, examples_per_step, world_size)]
 
-# %% ../nbs/09_train.ipynb #b229a1f3
+# %% ../nbs/09_train.ipynb #64ee383b
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
     "Fraction of the initial learning rate at `step`: 1 at the start, 0 at num_steps."
     frac = min(step / num_steps, 1.0)
     return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
 
-# %% ../nbs/09_train.ipynb #80887168
+# %% ../nbs/09_train.ipynb #5cba8f33
 def rollout(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seeds, max_rows):
     "Sample `num_samples` completions of each problem; returns prompts, flat sequences, masks, tool calls and rows per call."
     prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
@@ -228,7 +228,7 @@ def _halve_after_oom(per_call: int, num_samples: int, error) -> int:
     tqdm.write(f"nanorl: out of memory in a rollout of {per_call * num_samples} rows; retrying with {per_call // 2 * num_samples}")
     return per_call // 2
 
-# %% ../nbs/09_train.ipynb #334fba44
+# %% ../nbs/09_train.ipynb #3a8e9492
 def collate(sequences, masks, pad_id: int, device="cpu"):
     "Pad rows into (inputs, targets) of shape (B, T-1); targets are -1 wherever mask is 0."
     T = max(len(s) for s in sequences)
@@ -240,7 +240,7 @@ def collate(sequences, masks, pad_id: int, device="cpu"):
     targets[mask[:, 1:] == 0] = -1
     return inputs.to(device), targets.to(device)
 
-# %% ../nbs/09_train.ipynb #997132fe
+# %% ../nbs/09_train.ipynb #e250baec
 def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="mean"):
     "Rewards (B,), advantages (B,) and the zero-signal flag of each group (G,), plus any shaping terms."
     rewards, terms = [], {}
@@ -254,7 +254,7 @@ def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="
     advantages = compute_advantages(rewards, num_samples, method=advantage)  # (B,)
     return rewards, advantages, zero_signal_groups(rewards, num_samples), terms
 
-# %% ../nbs/09_train.ipynb #65c41166
+# %% ../nbs/09_train.ipynb #6f1b716d
 def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_groups=None) -> list[list[int]]:
     "Row indices of each forward/backward pass: chunks of at most device_batch_size rows within a group."
     passes = []
@@ -264,7 +264,7 @@ def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_
         passes += [rows[i:i + device_batch_size] for i in range(0, group_size, device_batch_size)]
     return passes
 
-# %% ../nbs/09_train.ipynb #fc434b09
+# %% ../nbs/09_train.ipynb #294c0527
 def sync_gradients(params, world_size: int):
     "Average gradients over all ranks in place (parameters without a gradient count as zero)."
     if world_size == 1: return
@@ -277,7 +277,7 @@ def sync_gradients(params, world_size: int):
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)); offset += p.numel()
 
-# %% ../nbs/09_train.ipynb #e599a77f
+# %% ../nbs/09_train.ipynb #3756f1d7
 def reduce_sums(values: dict, device, world_size: int) -> dict:
     "Sum a dict of numbers (or one-element tensors) over all ranks; returns floats."
     keys = sorted(values)
@@ -285,7 +285,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #7bee999c
+# %% ../nbs/09_train.ipynb #846b56ef
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained(t != -1) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -312,7 +312,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
     return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #f084400b
+# %% ../nbs/09_train.ipynb #c4dba526
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -324,7 +324,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-# %% ../nbs/09_train.ipynb #29d2d25c
+# %% ../nbs/09_train.ipynb #c3585e69
 class RunLog:
     "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
     def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
@@ -354,7 +354,7 @@ class RunLog:
         "Finish the wandb run, if any."
         if self.wandb is not None: self.wandb.finish()
 
-# %% ../nbs/09_train.ipynb #e5a01f43
+# %% ../nbs/09_train.ipynb #43e7ea84
 def make_tasks(cfg: Config):
     "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
     try: train_task, val_task = _build_tasks(cfg)
@@ -399,7 +399,7 @@ def complete_steps(directory: Path, world_size: int) -> list[int]:
         return all((directory / name).is_file() for name in needed)
     return [s for s in reversed(checkpoint_steps(directory)) if complete(s)]
 
-# %% ../nbs/09_train.ipynb #dc2853be
+# %% ../nbs/09_train.ipynb #64b1d626
 def elastic_restarts() -> int:
     "How often torchrun has restarted this worker group (0 outside torchrun and on the first attempt)."
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -439,7 +439,7 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
     if agreed.item() < 0: raise CheckpointError(f"--resume: no readable checkpoint in {out}; " + " | ".join(errors))
     return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
 
-# %% ../nbs/09_train.ipynb #b674a029
+# %% ../nbs/09_train.ipynb #f4bcae8f
 class NonFiniteError(RuntimeError):
     "Too many optimizer steps in a row had a non-finite loss or gradient."
 
@@ -502,7 +502,7 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #45672b54
+# %% ../nbs/09_train.ipynb #0c189e6c
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
              rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
@@ -539,7 +539,7 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")},
             "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": t3 - t2}
 
-# %% ../nbs/09_train.ipynb #96a7e9f1
+# %% ../nbs/09_train.ipynb #394a9325
 def _evaluate(cfg, engine, tokenizer, task, rank, world, master) -> dict:
     "pass@1..n on the first eval_examples held-out problems, the same problems and seeds every time."
     t0 = time.perf_counter()
@@ -571,7 +571,7 @@ def _line(r: dict, num_steps: int) -> str:
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} | loss {r['loss']:+.5f}"
             f" | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}" + (f" | {evals}" if evals else ""))
 
-# %% ../nbs/09_train.ipynb #b9fc41d6
+# %% ../nbs/09_train.ipynb #c2bcbd05
 def param_fingerprint(model) -> str:
     "A hash of the exact bytes of every parameter."
     h = hashlib.sha256()
@@ -586,12 +586,12 @@ def _check_ranks_agree(model, world: int):
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1: raise RuntimeError(f"ranks ended with different parameters: {prints}")
 
-# %% ../nbs/09_train.ipynb #37499a55
+# %% ../nbs/09_train.ipynb #623200f3
 def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
     try: train(config_from_args(argv))
     except (ValueError, FileNotFoundError, NonFiniteError) as e: sys.exit(f"nanorl.train: error: {e}")
 
-# %% ../nbs/09_train.ipynb #219dfbb2
+# %% ../nbs/09_train.ipynb #7c4fe1c0
 #| eval: false
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()

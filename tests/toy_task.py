@@ -1,4 +1,4 @@
-"""A task whose reward a random-weight model can vary: used by the training tests (`--task toy_task:make_tasks`)."""
+"""Tasks a random-weight model can vary the reward of, for the training tests (`--task toy_task:make_tasks`)."""
 import json
 from pathlib import Path
 
@@ -14,6 +14,25 @@ class ToyTask:
     def reward(self, conversation, completion): return float(self.evaluate(conversation, completion))
 
 
+class NanToyTask(ToyTask):
+    "The toy task, but the reward of the problems in `nan_problems` (all when None) is nan: a broken reward function."
+    def __init__(self, nan_problems=None):
+        self.nan_questions = None if nan_problems is None else {ROWS[i]["question"] for i in nan_problems}
+    def reward(self, conversation, completion):
+        q = conversation["messages"][0]["content"]
+        return float("nan") if self.nan_questions is None or q in self.nan_questions else super().reward(conversation, completion)
+
+
 def make_tasks(cfg):
     "(train, held-out): the same toy task."
     return ToyTask(), ToyTask()
+
+
+def make_nan_step1_tasks(cfg):
+    "Problems 2 and 3 (step 1 at 2 examples per step) have a nan reward."
+    return NanToyTask({2, 3}), ToyTask()
+
+
+def make_all_nan_tasks(cfg):
+    "Every reward is nan."
+    return NanToyTask(), ToyTask()
