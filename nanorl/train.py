@@ -4,13 +4,12 @@
 
 # %% auto #0
 __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'validate', 'build_parser', 'config_from_args', 'autodetect_device_type',
-           'init_distributed', 'compute_dtype', 'autocast_for', 'derive_seed', 'step_examples', 'lr_multiplier',
-           'rollout', 'collate', 'score', 'microbatches', 'sync_gradients', 'reduce_sums', 'step_normalizer',
-           'token_logp', 'backward_passes', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable',
-           'complete_steps', 'elastic_restarts', 'load_policy', 'load_resume_point', 'NonFiniteError', 'train',
-           'param_fingerprint', 'main']
+           'init_distributed', 'compute_dtype', 'autocast_for', 'lr_multiplier', 'sync_gradients', 'reduce_sums',
+           'step_normalizer', 'token_logp', 'backward_passes', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir',
+           'check_writable', 'complete_steps', 'elastic_restarts', 'load_policy', 'load_resume_point', 'NonFiniteError',
+           'train', 'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #e5ea0fc7
+# %% ../nbs/09_train.ipynb #e4dd14fd
 import argparse, dataclasses, hashlib, importlib, json, math, os, random, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -21,14 +20,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from .rollout import collate, derive_seed, microbatches, rollout, score, step_examples
 from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_checkpoint, load_model, load_resume_state, save_checkpoint
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic
-from .advantages import compute_advantages, zero_signal_groups
 from .loss import count_trained, loss_normalizer, pg_loss
 from .evaluate import evaluate_pass_at_k
 
-# %% ../nbs/09_train.ipynb #9e458df9
+# %% ../nbs/09_train.ipynb #1d948882
 def _flag(default, help):
     "A config field with its command-line help."
     return field(default=default, metadata={"help": help})
@@ -80,7 +79,7 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
 
-# %% ../nbs/09_train.ipynb #a5f91367
+# %% ../nbs/09_train.ipynb #3fed20e9
 PRESETS = {
     "smoke": dict(num_steps=2, examples_per_step=2, num_samples=4, device_batch_size=4,
                   max_new_tokens=32, eval_every=1, eval_examples=4, save_every=1),
@@ -89,7 +88,7 @@ PRESETS = {
                  eval_every=10, eval_examples=200, save_every=20, init_lr_frac=1.0),
 }
 
-# %% ../nbs/09_train.ipynb #46d40b58
+# %% ../nbs/09_train.ipynb #eb9c676c
 CHOICES = dict(source=("sft", "rl"), advantage=("mean", "zscore"),
                loss_norm=("nanochat", "token", "sequence", "drgrpo"), lr_schedule=("linear", "cosine"),
                dtype=("auto", "float32", "bfloat16"), device_type=("", "cuda", "cpu", "mps"))
@@ -118,7 +117,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if cfg.clip_eps < 0 or cfg.kl_coef < 0: raise ValueError("--clip-eps and --kl-coef must be >= 0")
     return cfg
 
-# %% ../nbs/09_train.ipynb #73ee4ca3
+# %% ../nbs/09_train.ipynb #40b2bc43
 def _parse_bool(s: str) -> bool:
     "Parse true/false flags written as 1/0, true/false, yes/no."
     if s.lower() in ("1", "true", "yes", "on"): return True
@@ -153,7 +152,7 @@ def config_from_args(argv=None) -> Config:
         raise SystemExit(f"unknown --preset {preset!r}; known presets: {', '.join(PRESETS)}")
     return Config(**{**PRESETS.get(preset, {}), **given})
 
-# %% ../nbs/09_train.ipynb #988c2283
+# %% ../nbs/09_train.ipynb #ceaa0dab
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available(): return "cuda"
@@ -184,87 +183,13 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     "An autocast context for low-precision compute, or nothing for float32."
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-# %% ../nbs/09_train.ipynb #3551676c
-def derive_seed(*parts: int) -> int:
-    "A 31-bit seed mixed from integers: the same on every machine, process and Python run."
-    state = np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)
-    return int(state[0]) & 0x7FFFFFFF
-
-# %% ../nbs/09_train.ipynb #936c9304
-def step_examples(step: int, examples_per_step: int, num_problems: int, rank: int = 0, world_size: int = 1) -> list[int]:
-    "Indices of the training problems that `rank` uses at `step`."
-    start = step * examples_per_step
-    return [(start + j) % num_problems for j in range(rank, examples_per_step, world_size)]
-
-# %% ../nbs/09_train.ipynb #64ee383b
+# %% ../nbs/09_train.ipynb #b9021863
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
     "Fraction of the initial learning rate at `step`: 1 at the start, 0 at num_steps."
     frac = min(step / num_steps, 1.0)
     return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
 
-# %% ../nbs/09_train.ipynb #5cba8f33
-def rollout(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seeds, max_rows):
-    "Sample `num_samples` completions of each problem; returns prompts, flat sequences, masks, tool calls and rows per call."
-    prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
-    per_call = max(1, max_rows // num_samples)
-    sequences, masks, tool_calls, j = [], [], 0, 0
-    while j < len(prompts):
-        try:
-            seqs, msks = engine.generate_many(prompts[j:j + per_call], num_samples=num_samples, max_tokens=max_new_tokens,
-                                              temperature=temperature, top_k=top_k or None, seed=seeds[j:j + per_call])
-        except torch.OutOfMemoryError as e:
-            per_call = _halve_after_oom(per_call, num_samples, e)
-            continue
-        sequences += seqs; masks += msks; j += per_call
-        tool_calls += engine.last_stats.get("tool_calls", 0)
-    return prompts, sequences, masks, tool_calls, per_call * num_samples
-
-def _halve_after_oom(per_call: int, num_samples: int, error) -> int:
-    "Prompts per engine call after an out-of-memory error: half as many, or a clear error at one prompt."
-    if per_call == 1:
-        raise torch.OutOfMemoryError(f"out of memory generating {num_samples} samples of a single prompt; lower "
-                                     f"--num-samples or --max-new-tokens ({error})") from error
-    if torch.cuda.is_available(): torch.cuda.empty_cache()
-    tqdm.write(f"nanorl: out of memory in a rollout of {per_call * num_samples} rows; retrying with {per_call // 2 * num_samples}")
-    return per_call // 2
-
-# %% ../nbs/09_train.ipynb #3a8e9492
-def collate(sequences, masks, pad_id: int, device="cpu"):
-    "Pad rows into (inputs, targets) of shape (B, T-1); targets are -1 wherever mask is 0."
-    T = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), T), dtype=torch.long)
-    for i, (s, m) in enumerate(zip(sequences, masks)):
-        ids[i, :len(s)] = torch.tensor(s); mask[i, :len(m)] = torch.tensor(m)
-    inputs, targets = ids[:, :-1], ids[:, 1:].clone()  # (B, T-1)
-    targets[mask[:, 1:] == 0] = -1
-    return inputs.to(device), targets.to(device)
-
-# %% ../nbs/09_train.ipynb #e250baec
-def score(tokenizer, task, indices, prompts, sequences, num_samples, advantage="mean"):
-    "Rewards (B,), advantages (B,) and the zero-signal flag of each group (G,), plus any shaping terms."
-    rewards, terms = [], {}
-    for row, seq in enumerate(sequences):
-        g = row // num_samples
-        text = tokenizer.decode(list(seq[len(prompts[g]):]))
-        rewards.append(task.reward(task[indices[g]], text))
-        if getattr(task, "shaping_on", False):
-            for k, v in task.reward_terms(task[indices[g]], text).items(): terms[k] = terms.get(k, 0.0) + v
-    rewards = torch.tensor(rewards, dtype=torch.float32)                     # (B,)
-    advantages = compute_advantages(rewards, num_samples, method=advantage)  # (B,)
-    return rewards, advantages, zero_signal_groups(rewards, num_samples), terms
-
-# %% ../nbs/09_train.ipynb #6f1b716d
-def microbatches(num_groups: int, group_size: int, device_batch_size: int, keep_groups=None) -> list[list[int]]:
-    "Row indices of each forward/backward pass: chunks of at most device_batch_size rows within a group."
-    passes = []
-    for g in range(num_groups):
-        if keep_groups is not None and not keep_groups[g]: continue
-        rows = list(range(g * group_size, (g + 1) * group_size))
-        passes += [rows[i:i + device_batch_size] for i in range(0, group_size, device_batch_size)]
-    return passes
-
-# %% ../nbs/09_train.ipynb #294c0527
+# %% ../nbs/09_train.ipynb #fc8c85f5
 def sync_gradients(params, world_size: int):
     "Average gradients over all ranks in place (parameters without a gradient count as zero)."
     if world_size == 1: return
@@ -277,7 +202,7 @@ def sync_gradients(params, world_size: int):
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)); offset += p.numel()
 
-# %% ../nbs/09_train.ipynb #3756f1d7
+# %% ../nbs/09_train.ipynb #b8213aaf
 def reduce_sums(values: dict, device, world_size: int) -> dict:
     "Sum a dict of numbers (or one-element tensors) over all ranks; returns floats."
     keys = sorted(values)
@@ -285,7 +210,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #846b56ef
+# %% ../nbs/09_train.ipynb #3636ab1a
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained(t != -1) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -312,7 +237,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
     return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #c4dba526
+# %% ../nbs/09_train.ipynb #645f6090
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -324,7 +249,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-# %% ../nbs/09_train.ipynb #c3585e69
+# %% ../nbs/09_train.ipynb #d509606a
 class RunLog:
     "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
     def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
@@ -354,7 +279,7 @@ class RunLog:
         "Finish the wandb run, if any."
         if self.wandb is not None: self.wandb.finish()
 
-# %% ../nbs/09_train.ipynb #43e7ea84
+# %% ../nbs/09_train.ipynb #66d9cea6
 def make_tasks(cfg: Config):
     "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
     try: train_task, val_task = _build_tasks(cfg)
@@ -399,7 +324,7 @@ def complete_steps(directory: Path, world_size: int) -> list[int]:
         return all((directory / name).is_file() for name in needed)
     return [s for s in reversed(checkpoint_steps(directory)) if complete(s)]
 
-# %% ../nbs/09_train.ipynb #64b1d626
+# %% ../nbs/09_train.ipynb #fe304ecb
 def elastic_restarts() -> int:
     "How often torchrun has restarted this worker group (0 outside torchrun and on the first attempt)."
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -439,7 +364,7 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
     if agreed.item() < 0: raise CheckpointError(f"--resume: no readable checkpoint in {out}; " + " | ".join(errors))
     return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
 
-# %% ../nbs/09_train.ipynb #f4bcae8f
+# %% ../nbs/09_train.ipynb #11e4053c
 class NonFiniteError(RuntimeError):
     "Too many optimizer steps in a row had a non-finite loss or gradient."
 
@@ -502,7 +427,7 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #0c189e6c
+# %% ../nbs/09_train.ipynb #7f76499f
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
              rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
@@ -539,7 +464,7 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")},
             "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": t3 - t2}
 
-# %% ../nbs/09_train.ipynb #394a9325
+# %% ../nbs/09_train.ipynb #434cdb81
 def _evaluate(cfg, engine, tokenizer, task, rank, world, master) -> dict:
     "pass@1..n on the first eval_examples held-out problems, the same problems and seeds every time."
     t0 = time.perf_counter()
@@ -571,7 +496,7 @@ def _line(r: dict, num_steps: int) -> str:
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} | loss {r['loss']:+.5f}"
             f" | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}" + (f" | {evals}" if evals else ""))
 
-# %% ../nbs/09_train.ipynb #c2bcbd05
+# %% ../nbs/09_train.ipynb #d0652a66
 def param_fingerprint(model) -> str:
     "A hash of the exact bytes of every parameter."
     h = hashlib.sha256()
@@ -586,12 +511,12 @@ def _check_ranks_agree(model, world: int):
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1: raise RuntimeError(f"ranks ended with different parameters: {prints}")
 
-# %% ../nbs/09_train.ipynb #623200f3
+# %% ../nbs/09_train.ipynb #82bd7d5d
 def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
     try: train(config_from_args(argv))
     except (ValueError, FileNotFoundError, NonFiniteError) as e: sys.exit(f"nanorl.train: error: {e}")
 
-# %% ../nbs/09_train.ipynb #7c4fe1c0
+# %% ../nbs/09_train.ipynb #8fddcb89
 #| eval: false
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()
