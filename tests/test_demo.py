@@ -29,11 +29,11 @@ def test_rl_raises_held_out_pass1(runs):
 
 
 def test_training_reward_rises(runs):
-    "Mean reward of the last 10 steps (1280 samples) beats the first 10 by >= 0.08."
+    "Mean reward of the last 10 steps (1280 samples) beats the first 10 by >= 0.05 (seed 0 gives about 0.10)."
     _, s, _ = runs
     recs = s["records"]
     first, last = mean_reward(recs, range(10)), mean_reward(recs, range(20, 30))
-    assert last - first >= 0.08, f"reward {first:.3f} -> {last:.3f}"
+    assert last - first >= 0.05, f"reward {first:.3f} -> {last:.3f}"
 
 
 def test_zero_advantage_control_does_not_rise(runs):
