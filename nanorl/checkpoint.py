@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, re, warnings
 from pathlib import Path
 import torch
-from .model import GPT, GPTConfig, GENERATIONS, NANOCHAT_CONFIG_KEYS
+from .model import GPT, GPTConfig, NANOCHAT_CONFIG_KEYS
 from .tokenizer import Tokenizer
 
 # %% auto #0
@@ -132,7 +132,8 @@ def resolve_checkpoint_dir(source_or_dir, model_tag=None, base_dir=None):
         raise CheckpointError(f"expected model tag {tag!r} in {root}, found tags {sorted(p.name for p in root.iterdir() if p.is_dir())}")
     return root / tag, base
 
-def load_model(source_or_dir, device, model_tag=None, step=None, phase="eval", base_dir=None, generation=None):
+def load_model(source_or_dir, device, model_tag=None, step=None, phase="eval", base_dir=None, generation=None,
+               allow_pickle=True):
     "(model, tokenizer, meta) from nanochat's layout; `meta['nanorl']` records generation, step and directory."
     checkpoint_dir, base = resolve_checkpoint_dir(source_or_dir, model_tag, base_dir)
     if step is not None: model, meta = build_model(checkpoint_dir, step, device, phase, generation)
@@ -145,9 +146,8 @@ def load_model(source_or_dir, device, model_tag=None, step=None, phase="eval", b
                 warnings.warn(f"skipping incomplete checkpoint step {s} in {checkpoint_dir}: {e}"); errors.append(f"step {s}: {e}")
         else: raise CheckpointError(f"no complete checkpoint in {checkpoint_dir}; tried " + " | ".join(errors))
     tokenizer_dir = base / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.pkl").is_file():
-        raise CheckpointError(f"expected nanochat's tokenizer at {tokenizer_dir}/tokenizer.pkl, found no such file")
-    tokenizer = Tokenizer.from_directory(tokenizer_dir)
+    try: tokenizer = Tokenizer.from_directory(tokenizer_dir, allow_pickle=allow_pickle)
+    except (FileNotFoundError, ValueError) as e: raise CheckpointError(f"cannot load the tokenizer of {checkpoint_dir}: {e}") from e
     if tokenizer.get_vocab_size() != model.config.vocab_size:
         raise CheckpointError(f"tokenizer in {tokenizer_dir} has {tokenizer.get_vocab_size()} tokens, "
                               f"the model expects vocab_size={model.config.vocab_size}")

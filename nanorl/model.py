@@ -5,7 +5,7 @@
 # %% ../nbs/02_model.ipynb #e9836ee2
 from __future__ import annotations
 import math
-from dataclasses import dataclass, asdict, fields
+from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,8 +13,7 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'Generation',
            'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed', 'attention_mask',
-           'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'init_weights', 'hidden', 'unembed', 'forward',
-           'new_kv_cache', 'MultiOptimizer', 'setup_optimizers']
+           'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -28,12 +27,14 @@ class Generation:
     smear: bool               # smear (previous-token mixing) and backout
     value_embeds: bool        # value embeddings on alternating layers
     windows: bool             # sliding-window attention pattern
+    wte_std: float            # std of the token embedding at initialization
+    fc_scale: float           # c_fc init range, relative to the q/k/v range
 
 GENERATIONS = {
     "current": Generation(rope_base=100_000, qk_scale=1.2, softcap=15.0, rotary_dtype=torch.float32,
-                          lambdas=True, smear=True, value_embeds=True, windows=True),
+                          lambdas=True, smear=True, value_embeds=True, windows=True, wte_std=0.8, fc_scale=0.4),
     "oct2025": Generation(rope_base=10_000, qk_scale=1.0, softcap=15.0, rotary_dtype=torch.bfloat16,
-                          lambdas=False, smear=False, value_embeds=False, windows=False),
+                          lambdas=False, smear=False, value_embeds=False, windows=False, wte_std=1.0, fc_scale=1.0),
 }
 NANOCHAT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern")
 SMEAR_CHANNELS, VE_GATE_CHANNELS, VE_GATE_SCALE = 24, 12, 3.0
@@ -166,7 +167,9 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-    def forward(self, x): return self.c_proj(F.relu(self.c_fc(x)).square())
+    def forward(self, x):
+        "(B, T, d) -> (B, T, d) through the squared-ReLU hidden layer."
+        return self.c_proj(F.relu(self.c_fc(x)).square())
 
 class Block(nn.Module):
     "Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."
@@ -174,6 +177,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn, self.mlp = CausalSelfAttention(config, layer_idx), MLP(config)
     def forward(self, x, ve, cos, sin, window, kv_cache=None, ctx=None):
+        "The residual stream x (B, T, d) after this block's attention and MLP."
         x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache, ctx)
         return x + self.mlp(norm(x))
 
@@ -241,8 +245,8 @@ class GPT(nn.Module):
         self.windows = window_sizes(config)
         self.softcap = arch.softcap
         self.rotary_len = config.sequence_len * 10
-        self.init_rotary()
-        if self.lm_head.weight.device.type != "meta": self.init_weights()
+        if self.lm_head.weight.device.type == "meta": self.init_rotary()  # placeholder buffers; the loader recomputes them
+        else: self.init_weights()                                          # builds the rotary tables too
 
     def init_rotary(self, device=None):
         "(Re)compute the non-persistent cos/sin buffers (needed after building on the meta device)."
@@ -260,13 +264,12 @@ def init_weights(self: GPT):
     "nanochat's initialization for this generation; also rebuilds the rotary tables."
     cfg, d = self.config, self.config.n_embd
     self.init_rotary()
-    current = cfg.generation == "current"
-    nn.init.normal_(self.transformer.wte.weight, std=0.8 if current else 1.0)
+    nn.init.normal_(self.transformer.wte.weight, std=cfg.arch.wte_std)
     nn.init.normal_(self.lm_head.weight, std=0.001)
     s = math.sqrt(3) / math.sqrt(d)
     for block in self.transformer.h:
         for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v): nn.init.uniform_(lin.weight, -s, s)
-        nn.init.uniform_(block.mlp.c_fc.weight, -s * (0.4 if current else 1.0), s * (0.4 if current else 1.0))
+        nn.init.uniform_(block.mlp.c_fc.weight, -s * cfg.arch.fc_scale, s * cfg.arch.fc_scale)
         nn.init.zeros_(block.attn.c_proj.weight); nn.init.zeros_(block.mlp.c_proj.weight)
         if block.attn.ve_gate is not None: nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
     if cfg.arch.lambdas:
@@ -362,11 +365,16 @@ class MultiOptimizer:
     @property
     def param_groups(self): return [g for opt in self.optimizers for g in opt.param_groups]
     def step(self):
+        "One step of every optimizer."
         for opt in self.optimizers: opt.step()
     def zero_grad(self, set_to_none=True):
+        "Clear the gradients of every optimizer's parameters."
         for opt in self.optimizers: opt.zero_grad(set_to_none=set_to_none)
-    def state_dict(self): return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+    def state_dict(self):
+        "The optimizers' states, in order, under one key."
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
     def load_state_dict(self, state):
+        "Restore the states written by `state_dict` (same optimizers, same order)."
         states = state.get("optimizers") if isinstance(state, dict) else None
         if states is None or len(states) != len(self.optimizers):
             found = len(states) if states is not None else type(state).__name__

@@ -4,13 +4,15 @@
 
 # %% ../nbs/05_rewards.ipynb #c21d7a2c
 from __future__ import annotations
-import json, math, os, random, re, warnings, zlib
+import json, os, random, re, warnings, zlib
 from dataclasses import dataclass
 from decimal import Decimal, Context, InvalidOperation
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+
+from .checkpoint import get_base_dir
 
 # %% auto #0
 __all__ = ['NANOCHAT_ANSWER_RE', 'CALC_RE', 'GSM8K_DIR_ENV', 'canonical_number', 'extract_answer', 'answer_to_parts',
@@ -129,17 +131,24 @@ class Task:
         self.start, self.stop, self.step = start, stop, step
         self.nanochat_compat, self.shaping = nanochat_compat, shaping or RewardShaping()
 
-    def num_examples(self) -> int: raise NotImplementedError
-    def get_example(self, index: int) -> dict: raise NotImplementedError
+    def num_examples(self) -> int:
+        "How many examples the underlying data has (before `start/stop/step`)."
+        raise NotImplementedError
+    def get_example(self, index: int) -> dict:
+        "The conversation at `index` of the underlying data."
+        raise NotImplementedError
 
     def __len__(self) -> int:
         stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())
         return max(0, -(-(stop - self.start) // self.step))
 
-    def __getitem__(self, i: int) -> dict:
+    def _position(self, i: int) -> int:
+        "The index into the underlying data of example `i` of this slice (negative `i` counts from the end)."
         n = len(self)
         if not -n <= i < n: raise IndexError(f"index {i} out of range for a task of {n} examples")
-        return self.get_example(self.start + (i % n) * self.step)
+        return self.start + (i % n) * self.step
+
+    def __getitem__(self, i: int) -> dict: return self.get_example(self._position(i))
 
     @property
     def shaping_on(self) -> bool: return self.shaping.enabled
@@ -210,6 +219,7 @@ def _hub_cache_has_gsm8k() -> bool:
     return (cache/"openai___gsm8k").is_dir()
 
 def _offline_help(subset, split) -> str:
+    "What to do when GSM8K cannot be loaded offline."
     return (f"GSM8K ({subset}/{split}) is not available offline: no local files were given and the Hugging Face Hub "
             f"is switched off (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE). Point nanorl at local files with "
             f"GSM8K(..., data_dir=DIR) or `export {GSM8K_DIR_ENV}=DIR`, where DIR holds the original "
@@ -218,8 +228,8 @@ def _offline_help(subset, split) -> str:
             f"or DIR/task_data/openai--gsm8k/{subset}/{split}/*.parquet (nanochat's cache); or go online once.")
 
 # %% ../nbs/05_rewards.ipynb #bb89469e
-def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None) -> tuple[list[dict], str]:
-    "GSM8K rows in file order, and where they came from: local files, nanochat's cache, or the Hub."
+def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None, base_dir=None) -> tuple[list[dict], str]:
+    "GSM8K rows in file order, and where they came from: local files, nanochat's cache under `base_dir`, or the Hub."
     if subset not in ("main", "socratic"): raise ValueError(f"GSM8K subset must be 'main' or 'socratic', got {subset!r}")
     if split not in ("train", "test"): raise ValueError(f"GSM8K split must be 'train' or 'test', got {split!r}")
     data_dir = data_dir or os.environ.get(GSM8K_DIR_ENV) or None
@@ -229,8 +239,7 @@ def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None) -
             tried = "\n  ".join(str(p) for _, p in _local_candidates(Path(data_dir).expanduser(), subset, split))
             raise ValueError(f"no GSM8K {subset}/{split} files under {data_dir}; looked for:\n  {tried}")
         return _read_rows(*found), str(found[1][0])
-    nanochat_base = Path(os.environ.get("NANOCHAT_BASE_DIR", Path("~/.cache/nanochat").expanduser()))
-    found = find_local_gsm8k(nanochat_base, subset, split)
+    found = find_local_gsm8k(get_base_dir(base_dir), subset, split)
     if found is not None and found[0] == "parquet": return _read_rows(*found), str(found[1][0])
     if _hub_offline() and not _hub_cache_has_gsm8k(): raise RuntimeError(_offline_help(subset, split))
     import datasets
@@ -241,12 +250,12 @@ def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None) -
 # %% ../nbs/05_rewards.ipynb #a0fad63b
 class GSM8K(Task):
     "GSM8K word problems as tool-using conversations, in nanochat's shuffled order, with exact-answer rewards."
-    def __init__(self, subset: str = "main", split: str = "train", data_dir=None, shuffle: bool = True,
+    def __init__(self, subset: str = "main", split: str = "train", data_dir=None, base_dir=None, shuffle: bool = True,
                  seed: int = 42, nanochat_compat: bool = True, strict: bool = False,
                  shaping: RewardShaping | None = None, rows: list[dict] | None = None, **kwargs):
         super().__init__(nanochat_compat=nanochat_compat, shaping=shaping, **kwargs)
         self.subset, self.split = subset, split
-        if rows is None: rows, self.source = load_gsm8k_rows(subset, split, data_dir)
+        if rows is None: rows, self.source = load_gsm8k_rows(subset, split, data_dir, base_dir)
         else: self.source = "rows"
         order = np.random.default_rng(seed).permutation(len(rows)) if shuffle else np.arange(len(rows))
         self.malformed = [(int(i), why) for i in order if (why := check_row(rows[i].get("question"), rows[i].get("answer")))]
@@ -260,11 +269,14 @@ class GSM8K(Task):
         self.indices = [int(i) for i in order if int(i) not in bad]
         self.rows = rows
 
-    def num_examples(self) -> int: return len(self.indices)
+    def num_examples(self) -> int:
+        "Well-formed rows of the split."
+        return len(self.indices)
     def row_index(self, i: int) -> int:
         "The line of the original split that example `i` of this task comes from."
-        return self.indices[self.start + (i % len(self)) * self.step]
+        return self.indices[self._position(i)]
     def get_example(self, index: int) -> dict:
+        "The conversation of the `index`-th well-formed row in shuffled order."
         row = self.rows[self.indices[index]]
         return gsm8k_conversation(row["question"], row["answer"])
 
@@ -344,8 +356,11 @@ def conversation_text(conversation: dict) -> str:
         out += [c] if isinstance(c, str) else [p["text"] for p in c if p["text"]]
     return "\n".join(out)
 
-def _arith_num_examples(self) -> int: return len(self.problems)
+def _arith_num_examples(self) -> int:
+    "How many problems were generated."
+    return len(self.problems)
 def _arith_get_example(self, index: int) -> dict:
+    "Problem `index` as a tool-using conversation."
     p = self.problems[index]
     return gsm8k_conversation(p["question"], p["answer"])
 def _arith_texts(self) -> Iterator[str]:

@@ -84,3 +84,38 @@ def test_intermediate_generation_is_refused():
     for k in ("smear_lambda", "backout_lambda", "smear_gate.weight"): del sd[k]
     with pytest.raises(CheckpointError, match="Jan-Mar 2026"):
         detect_generation(sd)
+
+
+def test_tokenizer_json_or_pickle_and_allow_pickle(tmp_path):
+    "load_model reads tokenizer.json or tokenizer.pkl as Tokenizer.from_directory does; allow_pickle passes through."
+    from nanorl.tokenizer import Tokenizer
+    ck = FIX / "head" / "chatsft_checkpoints" / "d3"
+    tok_dir = tmp_path / "tokenizer"
+    shutil.copytree(FIX / "head" / "tokenizer", tok_dir)                       # nanochat's: tokenizer.pkl only
+    want = Tokenizer.from_directory(tok_dir).encode("Natalia sold 48 clips.")
+    with pytest.raises(CheckpointError, match="allow_pickle=False"):
+        load_model(ck, "cpu", base_dir=tmp_path, allow_pickle=False)
+    assert load_model(ck, "cpu", base_dir=tmp_path)[1].encode("Natalia sold 48 clips.") == want
+    Tokenizer.from_directory(tok_dir).save(tok_dir)
+    (tok_dir / "tokenizer.pkl").write_bytes(b"not a pickle")                  # JSON is preferred: the pickle is never read
+    assert load_model(ck, "cpu", base_dir=tmp_path)[1].encode("Natalia sold 48 clips.") == want
+    (tok_dir / "tokenizer.pkl").unlink()
+    assert load_model(ck, "cpu", base_dir=tmp_path, allow_pickle=False)[1].encode("Natalia sold 48 clips.") == want
+    (tok_dir / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="found neither"):
+        load_model(ck, "cpu", base_dir=tmp_path)
+
+
+def test_get_base_dir_semantics(tmp_path, monkeypatch):
+    from nanorl.checkpoint import get_base_dir
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", "")
+    assert get_base_dir() == Path.home() / ".cache" / "nanochat"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    assert get_base_dir() == tmp_path and get_base_dir(tmp_path / "x") == tmp_path / "x"
+
+
+def test_rl_checkpoint_keeps_fp32_embeddings(tmp_path):
+    model, _, _ = load_model(FIX / "head" / "chatsft_checkpoints" / "d3", "cpu")
+    save_checkpoint(tmp_path / "d3", 1, model.state_dict(), None, {"model_config": model.config})
+    saved = torch.load(tmp_path / "d3" / "model_000001.pt", weights_only=True)
+    assert {v.dtype for v in saved.values()} == {torch.float32}

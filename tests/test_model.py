@@ -116,3 +116,28 @@ def test_padded_vocab_is_sliced():
     assert model(x).shape == (2, 9, 100)
     with pytest.raises(ValueError, match="loss_reduction"):
         model(x, targets=x, loss_reduction="avg")
+
+
+def test_patched_methods_stay_out_of_all():
+    import nanorl.model as m
+    for name in ("forward", "hidden", "unembed", "init_weights", "new_kv_cache", "setup_optimizers"):
+        assert name not in m.__all__ and hasattr(GPT, name)
+
+
+def test_init_constants_come_from_the_generation_table(monkeypatch):
+    import dataclasses
+    from nanorl import model as m
+    calls = []
+    orig = GPT.init_rotary
+    monkeypatch.setattr(GPT, "init_rotary", lambda self, device=None: (calls.append(1), orig(self, device))[1])
+    cfg = GPTConfig(sequence_len=64, vocab_size=4096, n_layer=1, n_head=2, n_kv_head=2, n_embd=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    assert calls == [1]                                                        # rotary tables built once
+    assert abs(model.transformer.wte.weight.std().item() - m.GENERATIONS["current"].wte_std) < 0.01
+    s = 3 ** 0.5 / 256 ** 0.5
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.abs().max().item() - 0.4 * s) < 0.01 * s
+    monkeypatch.setitem(m.GENERATIONS, "current", dataclasses.replace(m.GENERATIONS["current"], wte_std=0.1, fc_scale=1.0))
+    model = GPT(cfg)
+    assert abs(model.transformer.wte.weight.std().item() - 0.1) < 0.01
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.abs().max().item() - s) < 0.01 * s

@@ -106,6 +106,25 @@ def test_local_layouts(tmp_path, monkeypatch):
     assert find_local_gsm8k(tmp_path/"nanochat", "main", "test") is None
 
 
+def test_nanochat_cache_follows_base_dir(tmp_path, monkeypatch):
+    "nanochat's cache is found under base_dir, else a non-empty $NANOCHAT_BASE_DIR, else ~/.cache/nanochat."
+    rows = [json.loads(l) for l in (FIX/"gsm8k"/"test.jsonl").read_text().splitlines()]
+    cache = Path("task_data")/"openai--gsm8k"/"main"/"test"/"00000.parquet"
+    _write_parquet(rows, tmp_path/"explicit"/cache)
+    _write_parquet(rows[:3], tmp_path/"env"/cache)
+    _write_parquet(rows[:5], tmp_path/"home"/".cache"/"nanochat"/cache)
+    monkeypatch.delenv("NANORL_GSM8K_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1"); monkeypatch.setenv("HF_HOME", str(tmp_path/"hf"))
+    monkeypatch.setenv("HOME", str(tmp_path/"home"))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path/"env"))
+    assert len(GSM8K(split="test", base_dir=tmp_path/"explicit")) == 32            # explicit beats the environment
+    assert load_gsm8k_rows("main", "test", base_dir=str(tmp_path/"explicit"))[0] == rows
+    assert len(GSM8K(split="test")) == 3
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", "")                                    # empty: the default, not the cwd
+    monkeypatch.chdir(tmp_path/"env")
+    assert len(GSM8K(split="test")) == 5
+
+
 def test_save_to_disk_layout(tmp_path):
     import datasets
     rows = [json.loads(l) for l in (FIX/"gsm8k"/"test.jsonl").read_text().splitlines()]
@@ -200,6 +219,8 @@ def test_slicing_and_indexing():
     t = GSM8K(rows=fixture_rows(), shuffle=False, start=2, stop=15, step=4)
     assert len(t) == 4 and t[1] == gsm8k_conversation(**fixture_rows()[6]) and t[-1] == t[3] and t.row_index(3) == 14
     with pytest.raises(IndexError): t[4]
+    with pytest.raises(IndexError): t.row_index(4)
+    assert t.row_index(-1) == 14 and t[-4] == t[0]
     with pytest.raises(ValueError, match="step >= 1"): GSM8K(rows=fixture_rows(), step=0)
 
 
