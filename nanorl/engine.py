@@ -10,13 +10,13 @@ __all__ = ['CALC_ARITHMETIC_CHARS', 'CALC_STRING_CHARS', 'CALC_FORBIDDEN_WORDS',
            'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate', 'generate_many',
            'generate_batch']
 
-# %% ../nbs/04_engine.ipynb #f60edae9
+# %% ../nbs/04_engine.ipynb #301f3865
 import ast, math, operator, string, time
 from collections import deque
 import torch, torch.nn.functional as F
 from .model import KVCache
 
-# %% ../nbs/04_engine.ipynb #c42ccc03
+# %% ../nbs/04_engine.ipynb #bd6ab9ee
 CALC_ARITHMETIC_CHARS = frozenset("0123456789*+-/.() ")
 CALC_STRING_CHARS = frozenset(string.ascii_letters + string.digits + "'\"()._ ")
 CALC_FORBIDDEN_WORDS = ("__", "import", "exec", "eval", "compile", "open", "file", "input", "raw_input", "globals",
@@ -30,14 +30,14 @@ def calculator_language(expr):
     if any(word in lowered for word in CALC_FORBIDDEN_WORDS) or ".count(" not in expr: return None
     return "string"
 
-# %% ../nbs/04_engine.ipynb #c2e02b3e
+# %% ../nbs/04_engine.ipynb #f9623300
 CALC_MAX_CHARS = 10_000        # longer tool calls are refused outright
 CALC_MAX_NODES = 20_000        # syntax-tree nodes
 CALC_MAX_INT_DIGITS = 4300     # Python's own int->str limit; larger results are refused (nanochat crashes)
 CALC_MAX_INT_BITS = 40_000     # intermediate integers (about 12,000 digits)
 CALC_MAX_SECONDS = 0.5         # wall-clock deadline, checked while evaluating
 
-# %% ../nbs/04_engine.ipynb #b2e85c1e
+# %% ../nbs/04_engine.ipynb #36cbf777
 class _Failed:
     "Marks a sub-expression whose evaluation failed (Python would have raised there)."
     def __repr__(self): return "FAILED"
@@ -71,7 +71,7 @@ def _check_tree(tree):
                                            or node.func.attr not in _ALL_METHODS): raise _Refused
         if isinstance(node, ast.JoinedStr) and not all(isinstance(v, ast.Constant) for v in node.values): raise _Refused
 
-# %% ../nbs/04_engine.ipynb #f1332581
+# %% ../nbs/04_engine.ipynb #af00bb6b
 def _children(node):
     "Sub-expressions of `node` in evaluation order (a method call evaluates its receiver, then its arguments)."
     if isinstance(node, ast.Expression): return [node.body]
@@ -145,7 +145,7 @@ def _evaluate(tree, deadline):
             except Exception: values[id(node)] = FAILED
     return values[id(tree)]
 
-# %% ../nbs/04_engine.ipynb #40e6a396
+# %% ../nbs/04_engine.ipynb #1bbe3129
 def _finish(result, nanochat_format):
     "Turn an evaluated value into the calculator's answer: None on failure or oversized integers; integral floats as ints unless nanochat_format."
     if result is FAILED: return None
@@ -167,7 +167,7 @@ def use_calculator(expr, nanochat_format=False, max_seconds=CALC_MAX_SECONDS):
         return _finish(_evaluate(tree, deadline), nanochat_format)
     except Exception: return None
 
-# %% ../nbs/04_engine.ipynb #b3fea43f
+# %% ../nbs/04_engine.ipynb #bda3520f
 def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     "nanochat's sampler: argmax at temperature 0, else softmax sampling (over the top_k logits if given) with torch.Generator rng; (B, 1) ids."
     if temperature < 0: raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -178,7 +178,7 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
         return idx.gather(-1, choice)
     return torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=rng)
 
-# %% ../nbs/04_engine.ipynb #c29224ce
+# %% ../nbs/04_engine.ipynb #1e616512
 M32 = 0xFFFFFFFF
 
 def mix32(x):
@@ -202,7 +202,7 @@ def gumbel_noise(keys, step, token_hash):
     u = ((bits >> 8).float() + 0.5) * (1.0 / 16777216)                                 # uniform in (0, 1)
     return -torch.log(-torch.log(u))
 
-# %% ../nbs/04_engine.ipynb #46ca604c
+# %% ../nbs/04_engine.ipynb #c94bc233
 @torch.no_grad()
 def reference_generate(model, tokenizer, tokens, num_samples=1, max_tokens=16, temperature=1.0, top_k=None, seed=42,
                        min_new_tokens=0, nanochat_format=False):
@@ -240,7 +240,7 @@ def reference_generate(model, tokenizer, tokens, num_samples=1, max_tokens=16, t
             elif expr[j] is not None: expr[j].append(t)
     return seqs, masks
 
-# %% ../nbs/04_engine.ipynb #b300c1d5
+# %% ../nbs/04_engine.ipynb #ba58817d
 class RowState:
     "Tool-use state of one generated row: forced tokens still to emit and the python expression being collected."
     __slots__ = ("forced", "in_python", "expr", "completed")
@@ -248,7 +248,7 @@ class RowState:
     @property
     def busy(self): return self.in_python or bool(self.forced)
 
-# %% ../nbs/04_engine.ipynb #e4af9a74
+# %% ../nbs/04_engine.ipynb #5717e14c
 def _new_cache(model, batch_size, seq_len):
     "An empty KV cache for `model` in its weights' dtype (the model's own `new_kv_cache` if it has one)."
     lm_head = getattr(model, "lm_head", None)
@@ -284,7 +284,7 @@ class Engine:
             self._token_hash = mix32((torch.arange(vocab_size, device=device) * 0x9E3779B1 + 0x7F4A7C15) & M32)
         return self._token_hash
 
-# %% ../nbs/04_engine.ipynb #1020b94d
+# %% ../nbs/04_engine.ipynb #1f3f4722
 def softcap(model, x):
     "The model's logit softcap applied to x (nanochat: 15 * tanh(x / 15)); identity if the model has none."
     cap = getattr(model, "softcap", None)
@@ -309,7 +309,7 @@ def pick_tokens(self, h, keys, step, temperature=1.0, top_k=None, suppress_stop=
     return scores.argmax(dim=-1)
 Engine.pick_tokens = pick_tokens
 
-# %% ../nbs/04_engine.ipynb #1fe9dec3
+# %% ../nbs/04_engine.ipynb #a37d7033
 def run_calculator(self, state):
     "Close the row's python block: evaluate it and queue <|output_start|> result <|output_end|> as forced tokens; True if called."
     expr, state.expr, state.in_python = state.expr, [], False
@@ -328,7 +328,7 @@ def advance_row(self, state, token):
     elif state.in_python: state.expr.append(token)
 Engine.advance_row = advance_row
 
-# %% ../nbs/04_engine.ipynb #c35ee251
+# %% ../nbs/04_engine.ipynb #b8a71f69
 def check_request(self, prompts, num_samples, max_tokens, temperature, seed):
     "Validate a generation request; returns (max_tokens, one seed per prompt)."
     if not isinstance(prompts, (list, tuple)) or not prompts: raise ValueError(f"expected a non-empty list of prompts, got {prompts!r}")
@@ -369,7 +369,7 @@ def prefill(self, prompts, num_samples, cache):
     return torch.cat(heads)                                                             # (B, d)
 Engine.prefill = prefill
 
-# %% ../nbs/04_engine.ipynb #1b4552cb
+# %% ../nbs/04_engine.ipynb #cc21dab3
 @torch.no_grad()
 def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens=0):
     "The decoding loop; yields (row ids, token column, mask column) per step. With `retire`, finished rows get id -1 and leave the batch."
@@ -420,7 +420,7 @@ def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, see
     stats["generated_tokens"] = stats["sampled_tokens"] + stats["forced_tokens"]
 Engine.decode_steps = decode_steps
 
-# %% ../nbs/04_engine.ipynb #b7a4c850
+# %% ../nbs/04_engine.ipynb #ca00eba6
 def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
     "Stream (token_column, token_masks) lists of num_samples tokens per step, like nanochat (finished rows keep decoding)."
     max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
