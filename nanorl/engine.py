@@ -250,9 +250,11 @@ class RowState:
 
 # %% ../nbs/04_engine.ipynb #5717e14c
 def _new_cache(model, batch_size, seq_len):
-    "An empty KV cache for `model` in its weights' dtype (the model's own `new_kv_cache` if it has one)."
+    "An empty KV cache for `model` in its compute dtype: autocast's if it is on (bf16 halves the cache), else the weights'."
     lm_head = getattr(model, "lm_head", None)
-    dtype = lm_head.weight.dtype if lm_head is not None else torch.float32
+    device = lm_head.weight.device if lm_head is not None else torch.device("cpu")
+    if torch.is_autocast_enabled(device.type): dtype = torch.get_autocast_dtype(device.type)
+    else: dtype = lm_head.weight.dtype if lm_head is not None else torch.float32
     if hasattr(model, "new_kv_cache"): return model.new_kv_cache(batch_size, seq_len, dtype=dtype)
     c = model.config
     return KVCache(batch_size, c.n_kv_head, seq_len, c.n_embd // c.n_head, c.n_layer, model.get_device(), dtype)
