@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 # %% auto #0
-__all__ = ['pass_at_k', 'pass_at_k_first', 'mean_and_stderr', 'problem_seed', 'sample_outcomes', 'PassAtK', 'evaluate_pass_at_k']
+__all__ = ['pass_at_k', 'pass_at_k_first', 'mean_and_stderr', 'problem_seed', 'completion_text', 'sample_outcomes', 'PassAtK',
+           'evaluate_pass_at_k']
 
 # %% ../nbs/08_passk.ipynb #1bc75e22
 def _check_nk(n, k):
@@ -65,6 +66,11 @@ def problem_seed(seed: int, index: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFF
 
 # %% ../nbs/08_passk.ipynb #076a34f6
+def completion_text(tokenizer, seq, prompt_len: int) -> str:
+    "The decoded completion of one sampled row: the tokens after its prompt (a list or a tensor)."
+    tail = seq[prompt_len:]
+    return tokenizer.decode(tail.tolist() if hasattr(tail, "tolist") else list(tail))
+
 def sample_outcomes(engine, tokenizer, task, indices, num_samples: int = 8, max_new_tokens: int = 256,
                     temperature: float = 1.0, top_k: int | None = 50, seed: int = 42, prompts_per_batch: int = 8,
                     progress: bool = False) -> torch.Tensor:
@@ -82,8 +88,7 @@ def sample_outcomes(engine, tokenizer, task, indices, num_samples: int = 8, max_
             raise ValueError(f"engine returned {len(seqs)} sequences, expected {len(prompts)} x {num_samples}")
         for j, seq in enumerate(seqs):
             p = j // num_samples
-            tail = seq[len(prompts[p]):]
-            text = tokenizer.decode(tail.tolist() if hasattr(tail, "tolist") else list(tail))
+            text = completion_text(tokenizer, seq, len(prompts[p]))
             out[start + p, j % num_samples] = bool(task.evaluate(conversations[p], text))
         bar.update(len(batch))
     bar.close()

@@ -61,11 +61,13 @@ def assert_same_tensors(a, b, where=""):
 
 
 def assert_same_run_end(a, b, step, ranks=1):
-    "Two runs end with identical weights, optimizer states (every rank) and metrics."
+    "Two runs end with identical weights, optimizer state (one file, from rank 0), resume step of every rank, and metrics."
     load = lambda base, name: torch.load(run_dir(base) / name, weights_only=True)
     assert_same_tensors(load(a, f"model_{step:06d}.pt"), load(b, f"model_{step:06d}.pt"), "model")
+    assert_same_tensors(load(a, f"optim_{step:06d}_rank0.pt"), load(b, f"optim_{step:06d}_rank0.pt"), "optim")
     for r in range(ranks):
-        assert_same_tensors(load(a, f"optim_{step:06d}_rank{r}.pt"), load(b, f"optim_{step:06d}_rank{r}.pt"), f"optim rank{r}")
+        assert load(a, f"resume_{step:06d}_rank{r}.pt")["step"] == load(b, f"resume_{step:06d}_rank{r}.pt")["step"] == step + 1
+    assert not any(any(run_dir(x).glob("optim_*_rank1.pt")) for x in (a, b)), "the optimizer state is written once, by rank 0"
     assert records(a) == records(b)
 
 
@@ -251,6 +253,23 @@ def test_rollout_oom_halves_then_restores(tmp_path, monkeypatch, one_step):
     calls.clear()
     recs = train(small_config(base_dir(tmp_path, "two"), num_steps=3, rollout_rows=8))
     assert calls == [8, 4, 4, 4, 4, 8] and [r["rollout_rows"] for r in recs] == [4, 4, 8]   # next step at 4, then 8 again
+
+
+def test_evaluation_oom_halves_and_gives_the_same_result(tmp_path, monkeypatch, one_step):
+    "An OOM while sampling for evaluation retries with fewer prompts per call; pass@k and the update are unchanged."
+    from nanorl.engine import Engine
+    real, calls = Engine.generate_many, []
+    def flaky(self, prompts, num_samples=1, **kw):
+        calls.append(len(prompts))
+        if len(calls) == 1: raise torch.OutOfMemoryError("CUDA out of memory (simulated)")   # the first call is the eval
+        return real(self, prompts, num_samples=num_samples, **kw)
+    monkeypatch.setattr(Engine, "generate_many", flaky)
+    base = base_dir(tmp_path, "run")
+    recs = train(small_config(base, num_steps=1, rollout_rows=8))
+    assert calls[:3] == [2, 1, 1], calls                       # 2 eval prompts per call, then 1 and 1
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_rows"}
+    assert strip(recs[0]) == strip(one_step[1][0])
+    assert_same_tensors(weights(base, 0), one_step[0], "weights after a halved evaluation")
 
 
 def test_rollout_oom_at_one_prompt_is_a_clear_error():
