@@ -118,13 +118,16 @@ def worker_pids(agent_pid):
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
 def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path):
-    "torchrun --max-restarts=1: SIGKILL rank 1 after the first checkpoint; the restarted group resumes and ends as an unbroken run."
+    """torchrun with restarts: SIGKILL rank 1 after the first checkpoint; the restarted group resumes and ends as an unbroken run.
+
+    More than one restart is allowed: on a busy machine gloo's re-rendezvous after a restart sometimes refuses a
+    connection, and torchrun then restarts the group once more, which must still end exactly as the unbroken run."""
     steps = ["--num-steps", "8"]
     launcher = lambda restarts: [TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
                                  "--monitor-interval=0.2", "-m", "nanorl.train"]
     whole, cut = base_dir(tmp_path, "whole"), base_dir(tmp_path, "cut")
     check(subprocess.run(train_cmd(whole, *steps, launcher=launcher(0)), env=ENV, capture_output=True, text=True, timeout=300))
-    proc = subprocess.Popen(train_cmd(cut, *steps, launcher=launcher(1)), env=ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(train_cmd(cut, *steps, launcher=launcher(3)), env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_for_checkpoint(run_dir(cut), proc, ranks=2)
@@ -133,7 +136,7 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path):
     finally:
         if proc.poll() is None: proc.kill()
     assert proc.returncode == 0, f"the restarted group failed:\n{out[-3000:]}\n{err[-5000:]}"
-    assert "resuming at step" in out and "elastic restart 1" in out, out[-3000:]
+    assert "resuming at step" in out and "elastic restart" in out, out[-3000:]
     assert_same_run_end(whole, cut, 7, ranks=2)
 
 

@@ -192,7 +192,10 @@ def test_config_preset_applies_in_train(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "_train", lambda cfg, rank, world, device: seen.append(cfg) or [])
     train(Config(preset="demo", base_dir=str(tmp_path), num_samples=4))
     cfg = seen[0]
-    assert (cfg.task, cfg.device_type, cfg.top_k, cfg.examples_per_step, cfg.num_samples) == ("arithmetic", "cpu", 0, 8, 4)
+    demo = T.PRESETS["demo"]
+    assert (cfg.task, cfg.device_type, cfg.top_k, cfg.examples_per_step) == tuple(demo[k] for k in ("task", "device_type", "top_k", "examples_per_step"))
+    assert demo["num_samples"] != 4 and cfg.num_samples == 4, "a field set explicitly keeps its value"
+    assert cfg.max_new_tokens == demo["max_new_tokens"] != Config().max_new_tokens, "the preset must change something"
     with pytest.raises(ValueError, match="known presets: smoke, demo|known presets: demo, smoke"):
         train(Config(preset="nope", base_dir=str(tmp_path)))
 
