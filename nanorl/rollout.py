@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['sample_seeds', 'step_examples', 'Rollout', 'rollout', 'halve_after_oom', 'collate', 'Scores', 'score', 'microbatches']
 
-# %% ../nbs/08b_rollout.ipynb #d5718755
+# %% ../nbs/08b_rollout.ipynb #a5efe9b6
 from dataclasses import dataclass
 
 import torch
@@ -14,19 +14,19 @@ from tqdm.auto import tqdm
 from .advantages import compute_advantages, zero_signal_groups
 from .evaluate import completion_text, problem_seed
 
-# %% ../nbs/08b_rollout.ipynb #7aeefc10
+# %% ../nbs/08b_rollout.ipynb #de1e800c
 def sample_seeds(seed: int, step: int, indices) -> list[int]:
     "The sampling seed of each problem of a step: `problem_seed` of the step's seed and the problem index."
     step_seed = problem_seed(seed, step)
     return [problem_seed(step_seed, i) for i in indices]
 
-# %% ../nbs/08b_rollout.ipynb #e2a39bb9
+# %% ../nbs/08b_rollout.ipynb #f3558c6f
 def step_examples(step: int, examples_per_step: int, num_problems: int, rank: int = 0, world_size: int = 1) -> list[int]:
     "Indices of the training problems that `rank` uses at `step`."
     start = step * examples_per_step
     return [(start + j) % num_problems for j in range(rank, examples_per_step, world_size)]
 
-# %% ../nbs/08b_rollout.ipynb #0a9d2708
+# %% ../nbs/08b_rollout.ipynb #c2cf8b17
 @dataclass
 class Rollout:
     "The samples of one step on one rank, rows prompt-major (row r is a sample of problem r // num_samples)."
@@ -62,7 +62,7 @@ def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollo
     tqdm.write(f"nanorl: out of memory in {what} of {per_call * num_samples} rows; retrying with {per_call // 2 * num_samples}")
     return per_call // 2
 
-# %% ../nbs/08b_rollout.ipynb #005897ba
+# %% ../nbs/08b_rollout.ipynb #d0055f73
 def collate(sequences, masks, pad_id: int, device="cpu"):
     "Pad rows into (inputs, targets) of shape (B, T-1); targets are -1 wherever mask is 0."
     T = max(len(s) for s in sequences)
@@ -74,7 +74,7 @@ def collate(sequences, masks, pad_id: int, device="cpu"):
     targets[mask[:, 1:] == 0] = -1
     return inputs.to(device), targets.to(device)
 
-# %% ../nbs/08b_rollout.ipynb #65eb77ec
+# %% ../nbs/08b_rollout.ipynb #db2040a5
 @dataclass
 class Scores:
     "Rewards and advantages of a step's rows, the groups without signal, and the summed shaping terms."
@@ -99,7 +99,7 @@ def score(tokenizer, task, indices, batch: Rollout, num_samples: int, advantage:
     advantages = compute_advantages(rewards, num_samples, method=advantage)  # (B,)
     return Scores(rewards, advantages, zero_signal_groups(rewards, num_samples), terms)
 
-# %% ../nbs/08b_rollout.ipynb #f937f549
+# %% ../nbs/08b_rollout.ipynb #659cd3d2
 def microbatches(num_groups: int, group_size: int, device_batch_size: int) -> list[list[int]]:
     "Row indices of each forward/backward pass: chunks of at most device_batch_size rows within a group."
     passes = []

@@ -9,7 +9,7 @@ __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'resolve_preset', 'valida
            'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable', 'complete_steps', 'elastic_restarts',
            'PolicyStart', 'load_policy', 'load_resume_point', 'NonFiniteError', 'train', 'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #b06fdf89
+# %% ../nbs/09_train.ipynb #68242c49
 import argparse, copy, dataclasses, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -27,7 +27,7 @@ from .advantages import ADVANTAGE_METHODS
 from .loss import NORMALIZATIONS, count_trained, loss_normalizer, mean_entropy, pg_loss
 from .evaluate import evaluate_pass_at_k
 
-# %% ../nbs/09_train.ipynb #0f5b3b13
+# %% ../nbs/09_train.ipynb #6f58afcf
 def _flag(default, help):
     "A config field with its command-line help."
     return field(default=default, metadata={"help": help})
@@ -78,7 +78,7 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
 
-# %% ../nbs/09_train.ipynb #c52660a2
+# %% ../nbs/09_train.ipynb #fd67dab2
 PRESETS = {
     "smoke": dict(num_steps=2, examples_per_step=2, num_samples=4, device_batch_size=4,
                   max_new_tokens=32, eval_every=1, eval_examples=4, save_every=1),
@@ -95,7 +95,7 @@ def resolve_preset(cfg: Config, explicit=()) -> Config:
     fill = {k: v for k, v in PRESETS[cfg.preset].items() if k not in explicit and getattr(cfg, k) == defaults[k]}
     return dataclasses.replace(cfg, preset=None, **fill)
 
-# %% ../nbs/09_train.ipynb #23321cc9
+# %% ../nbs/09_train.ipynb #90dfd411
 CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NORMALIZATIONS, lr_schedule=("linear", "cosine"),
                dtype=("auto", "float32", "bfloat16"), device_type=("", "cuda", "cpu", "mps"))
 POSITIVE = ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "eval_every",
@@ -125,7 +125,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         if value is not None and value < 1: raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     return cfg
 
-# %% ../nbs/09_train.ipynb #887c535e
+# %% ../nbs/09_train.ipynb #82613f62
 def _parse_bool(s: str) -> bool:
     "Parse true/false flags written as 1/0, true/false, yes/no."
     if s.lower() in ("1", "true", "yes", "on"): return True
@@ -157,7 +157,7 @@ def config_from_args(argv=None) -> Config:
     given = vars(build_parser().parse_args(argv))
     return resolve_preset(Config(**given), explicit=given)
 
-# %% ../nbs/09_train.ipynb #58cb470e
+# %% ../nbs/09_train.ipynb #e68b498c
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available(): return "cuda"
@@ -188,13 +188,13 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     "An autocast context for low-precision compute, or nothing for float32."
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-# %% ../nbs/09_train.ipynb #4d9c48a1
+# %% ../nbs/09_train.ipynb #4e949cf7
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
     "Fraction of the initial learning rate at `step`: 1 at the start, 0 at num_steps."
     frac = min(step / num_steps, 1.0)
     return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
 
-# %% ../nbs/09_train.ipynb #49573d4c
+# %% ../nbs/09_train.ipynb #3c716e6e
 def sync_gradients(params, world_size: int):
     "Average gradients over all ranks in place (parameters without a gradient count as zero)."
     if world_size == 1: return
@@ -207,7 +207,7 @@ def sync_gradients(params, world_size: int):
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)); offset += p.numel()
 
-# %% ../nbs/09_train.ipynb #fb67eeff
+# %% ../nbs/09_train.ipynb #b530b246
 def reduce_sums(values: dict, device, world_size: int) -> dict:
     "Sum a dict of numbers (or one-element tensors) over all ranks, missing keys as 0; returns floats."
     keys = set(values)
@@ -222,7 +222,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #63ee62c4
+# %% ../nbs/09_train.ipynb #c9d5d805
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained((t != -1).cpu()) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -256,7 +256,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
     return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #c1ac8980
+# %% ../nbs/09_train.ipynb #f001c963
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -268,7 +268,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-# %% ../nbs/09_train.ipynb #7637a991
+# %% ../nbs/09_train.ipynb #e7f9f916
 class RunLog:
     "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
     def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
@@ -301,7 +301,7 @@ class RunLog:
         "Finish the wandb run, if any."
         if self.wandb is not None: self.wandb.finish()
 
-# %% ../nbs/09_train.ipynb #85229bbc
+# %% ../nbs/09_train.ipynb #88b8cf55
 def make_tasks(cfg: Config):
     "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
     try: train_task, val_task = _build_tasks(cfg)
@@ -347,7 +347,7 @@ def complete_steps(directory: Path, world_size: int) -> list[int]:
         return all((directory / name).is_file() for name in needed)
     return [s for s in reversed(checkpoint_steps(directory)) if complete(s)]
 
-# %% ../nbs/09_train.ipynb #385c9b6f
+# %% ../nbs/09_train.ipynb #e03d17dc
 def elastic_restarts() -> int:
     "How often torchrun has restarted this worker group (0 outside torchrun and on the first attempt)."
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -404,7 +404,7 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
     if agreed.item() < 0: raise CheckpointError(f"--resume: no readable checkpoint in {out}; " + " | ".join(errors))
     return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
 
-# %% ../nbs/09_train.ipynb #977fc0a7
+# %% ../nbs/09_train.ipynb #ddc57339
 class NonFiniteError(RuntimeError):
     "Too many optimizer steps in a row had a non-finite loss or gradient."
 
@@ -468,7 +468,7 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #d7a989aa
+# %% ../nbs/09_train.ipynb #b47dae33
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
              rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
@@ -507,7 +507,7 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")},
             "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": t3 - t2}
 
-# %% ../nbs/09_train.ipynb #a52e7a59
+# %% ../nbs/09_train.ipynb #4a40c4ed
 def _evaluate(cfg, engine, tokenizer, task, autocast, rank, world, master) -> dict:
     "pass@k and first@k on the first eval_examples held-out problems, the same problems and seeds every time."
     t0 = time.perf_counter()
@@ -540,7 +540,7 @@ def _line(r: dict, num_steps: int) -> str:
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} | loss {r['loss']:+.5f}"
             f" | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}" + (f" | {evals}" if evals else ""))
 
-# %% ../nbs/09_train.ipynb #7f20d2a1
+# %% ../nbs/09_train.ipynb #336c73f5
 def param_fingerprint(model) -> str:
     "A hash of the exact bytes of every parameter."
     h = hashlib.sha256()
@@ -555,12 +555,12 @@ def _check_ranks_agree(model, world: int):
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1: raise RuntimeError(f"ranks ended with different parameters: {prints}")
 
-# %% ../nbs/09_train.ipynb #3e8efe89
+# %% ../nbs/09_train.ipynb #24f0f709
 def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
     try: train(config_from_args(argv))
     except (ValueError, FileNotFoundError, NonFiniteError) as e: sys.exit(f"nanorl.train: error: {e}")
 
-# %% ../nbs/09_train.ipynb #ee88a69f
+# %% ../nbs/09_train.ipynb #b07d5d58
 #| eval: false
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()
