@@ -157,7 +157,7 @@ def config_from_args(argv=None) -> Config:
     given = vars(build_parser().parse_args(argv))
     return resolve_preset(Config(**given), explicit=given)
 
-# %% ../nbs/09_train.ipynb #e68b498c
+# %% ../nbs/09_train.ipynb #df6b2a32
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available(): return "cuda"
@@ -174,7 +174,11 @@ def init_distributed(device_type: str = ""):
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
     if device_type == "cuda": torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+        # torchrun's store outlives a restart of the group: a fresh key prefix per attempt keeps the new workers from
+        # reading the addresses that the previous attempt's (dead) workers published there
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"nanorl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                                 **({"device_id": device} if device_type == "cuda" else {}))
     return rank, world, device
 
