@@ -38,6 +38,7 @@ export:  ## notebooks -> nanorl/, then clean the notebooks
 
 readme: $(STAMP)  ## README.md from nbs/index.ipynb
 	$(BIN)/jupyter nbconvert --log-level WARN --to markdown nbs/index.ipynb --output-dir . --output README
+	sed -i 's#](images/#](nbs/images/#g' README.md  # image links relative to the repository root
 
 lab: $(STAMP)  ## open the course in JupyterLab
 	$(BIN)/jupyter lab nbs/
