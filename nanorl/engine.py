@@ -6,9 +6,9 @@
 __all__ = ['CALC_ARITHMETIC_CHARS', 'CALC_STRING_CHARS', 'CALC_FORBIDDEN_WORDS', 'CALC_MAX_CHARS', 'CALC_MAX_NODES',
            'CALC_MAX_INT_DIGITS', 'CALC_MAX_INT_BITS', 'CALC_MAX_SECONDS', 'FAILED', 'M32', 'GREEDY_CANDIDATES',
            'calculator_language', 'use_calculator', 'sample_next_token', 'mix32', 'row_key', 'step_key', 'gumbel_noise',
-           'reference_generate', 'RowState', 'context_limit', 'Engine', 'softcap', 'pick_tokens', 'run_calculator',
-           'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate', 'generate_many',
-           'generate_batch']
+           'reference_generate', 'RowState', 'context_limit', 'Engine', 'softcap', 'pick_tokens', 'stop_ids',
+           'run_calculator', 'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate',
+           'generate_many', 'generate_batch']
 
 # %% ../nbs/04_engine.ipynb #301f3865
 import ast, math, operator, string, time
@@ -301,14 +301,22 @@ def pick_tokens(self, h, keys, step, temperature=1.0, top_k=None, suppress_stop=
     if temperature == 0:
         vals, idx = raw.topk(min(GREEDY_CANDIDATES, V), dim=-1)                         # (b, 8)
         capped = softcap(self.model, vals)
+        if suppress_stop: capped = capped.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
         best = capped.max(dim=-1, keepdim=True).values
         return torch.where(capped == best, idx, V).min(dim=-1).values                 # lowest id among the maxima
     if top_k is not None and 0 < top_k < V:
         vals, idx = raw.topk(top_k, dim=-1)                                            # (b, k): the only logits we softcap
         scores = softcap(self.model, vals) / temperature + gumbel_noise(keys, step, self.token_hash(V, raw.device)[idx])
+        if suppress_stop: scores = scores.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
         return idx.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
     scores = softcap(self.model, raw) / temperature + gumbel_noise(keys, step, self.token_hash(V, raw.device)[None])
+    if suppress_stop: scores[:, self.stop_ids(raw.device)] = float("-inf")   # after the softcap: tanh(-inf) is finite
     return scores.argmax(dim=-1)
+
+def stop_ids(self, device):
+    "The stop tokens' ids as a tensor on `device`."
+    return torch.tensor(sorted(self.stop_tokens), dtype=torch.long, device=device)
+Engine.stop_ids = stop_ids
 Engine.pick_tokens = pick_tokens
 
 # %% ../nbs/04_engine.ipynb #a37d7033

@@ -3,7 +3,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanorl.demo import DemoConfig, before_after, run_demo, run_rl
 
