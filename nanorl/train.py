@@ -408,7 +408,7 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
     if agreed.item() < 0: raise CheckpointError(f"--resume: no readable checkpoint in {out}; " + " | ".join(errors))
     return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
 
-# %% ../nbs/09_train.ipynb #ddc57339
+# %% ../nbs/09_train.ipynb #a44bf83e
 class NonFiniteError(RuntimeError):
     "Too many optimizer steps in a row had a non-finite loss or gradient."
 
@@ -417,9 +417,15 @@ def train(cfg: Config) -> list[dict]:
     cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
     check_writable(Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir))
     rank, world, device = init_distributed(cfg.device_type)
-    try: return _train(cfg, rank, world, device)
+    finished = False
+    try:
+        records = _train(cfg, rank, world, device)
+        finished = True
+        return records
     finally:
-        if dist.is_initialized(): dist.destroy_process_group()
+        if dist.is_initialized():
+            if finished: dist.barrier()  # no rank tears its connections down while another still uses them
+            dist.destroy_process_group()
 
 def _train(cfg, rank, world, device):
     "The body of `train`, once the process group is up."
