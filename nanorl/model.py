@@ -13,7 +13,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'Generation',
            'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed', 'attention_mask',
-           'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'MultiOptimizer']
+           'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache',
+           'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -144,11 +145,8 @@ class CausalSelfAttention(nn.Module):
             mask = attention_mask(torch.arange(T, device=x.device)[None], T, window) if cut else None
             y = self._sdpa(q, k, v, mask, is_causal=not cut)
         else:
-            kc, vc = kv_cache.k_cache[self.layer_idx], kv_cache.v_cache[self.layer_idx]  # (B, T_max, H_kv, D)
-            kc[ctx["rows"], ctx["positions"]] = k.to(kc.dtype)
-            vc[ctx["rows"], ctx["positions"]] = v.to(vc.dtype)
-            k_len = ctx["k_len"]
-            keys, values = kc[:, :k_len].to(q.dtype), vc[:, :k_len].to(q.dtype)
+            keys, values = kv_cache.update(self.layer_idx, k, v, ctx)              # (B, k_len, H_kv, D)
+            keys, values, k_len = keys.to(q.dtype), values.to(q.dtype), ctx["k_len"]
             if ctx["fresh"] and (window is None or T - 1 <= window): y = self._sdpa(q, keys, values, None, is_causal=True)
             elif ctx["uniform"] and T == 1 and (window is None or k_len - 1 <= window): y = self._sdpa(q, keys, values, None, is_causal=False)
             else: y = self._sdpa(q, keys, values, attention_mask(ctx["positions"], k_len, window), is_causal=False)
@@ -200,6 +198,16 @@ class KVCache:
     def get_pos(self):
         "The largest number of tokens stored in any row."
         return int(self.cache_seqlens.max()) if self.batch_size else 0
+
+    def update(self, layer, k, v, ctx):
+        "Write keys/values (B, T, H_kv, D) at each row's positions; return the layer's first k_len slots."
+        kc, vc = self.k_cache[layer], self.v_cache[layer]                      # (B, T_max, H_kv, D)
+        kc[ctx["rows"], ctx["positions"]] = k.to(kc.dtype)
+        vc[ctx["rows"], ctx["positions"]] = v.to(vc.dtype)
+        return kc[:, :ctx["k_len"]], vc[:, :ctx["k_len"]]
+    def remember_last(self, x):
+        "Keep the last position of x (B, T, d) for the next forward's smear; decoding needs no gradient through it."
+        self.prev_embedding = x[:, -1:].detach().clone()
 
     def prefill_rows(self, other, rows):
         "Copy batch-1 cache `other` (keys, values, position, smear state) into each of `rows`."
@@ -305,7 +313,7 @@ def _smear(self: GPT, x, kv_cache):
         prev = kv_cache.prev_embedding.to(x.dtype) * (kv_cache.cache_seqlens > 0).view(B, 1, 1).to(x.dtype)
     shifted = torch.cat([prev, x[:, :-1]], dim=1)                               # (B, T, d)
     gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))  # (B, T, 1)
-    if kv_cache is not None: kv_cache.prev_embedding = x[:, -1:].detach().clone()
+    if kv_cache is not None: kv_cache.remember_last(x)
     return x + gate * shifted
 
 def hidden(self: GPT, idx, kv_cache=None):
@@ -329,6 +337,46 @@ def hidden(self: GPT, idx, kv_cache=None):
     return norm(x)
 GPT._cache_context, GPT._smear, GPT.hidden = _cache_context, _smear, hidden
 
+# %% ../nbs/02_model.ipynb #c7fdaa3c
+class SoftcappedNLL(torch.autograd.Function):
+    "-log softmax(softcap * tanh(h @ W.T / softcap))[target], with its gradient formed in the forward pass."
+    @staticmethod
+    def forward(ctx, h, weight, targets, softcap, chunk_rows):
+        N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
+        nll, dz = [], None                                                      # dz (N, V): d nll / d z
+        for s in range(0, N, chunk_rows):
+            z = h[s:s + chunk_rows] @ weight.T                                  # (n, V) in the matmul dtype
+            t = z.to(torch.promote_types(z.dtype, torch.float32)).div_(softcap).tanh_()  # (n, V) float32 or wider
+            p = torch.softmax(t * softcap, dim=-1)                              # (n, V)
+            tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
+            p_tgt = p.gather(1, tgt)                                            # (n, 1)
+            nll.append(-p_tgt.log().squeeze(1))
+            if not needs_grad: continue
+            if dz is None: dz = torch.empty(N, weight.shape[0], dtype=z.dtype, device=h.device)
+            p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
+            dz[s:s + chunk_rows] = torch.ops.aten.tanh_backward(p, t)           # (p - onehot) * (1 - t**2)
+        if needs_grad:
+            if dz is None: dz = h.new_zeros(0, weight.shape[0])                 # no rows at all
+            ctx.save_for_backward(h, weight, dz)
+        return torch.cat(nll) if nll else h.new_zeros(0, dtype=torch.float32)  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        h, weight, dz = ctx.saved_tensors
+        g = grad_nll[:, None]                                                   # (N, 1)
+        grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
+        grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
+        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None
+
+def softcapped_nll(h, weight, targets, softcap, chunk_rows=None):
+    "Per-row -log p(target) (N,), float32 or wider, for hidden states h (N, d), unembedding weight (V, d), targets (N,)."
+    if h.ndim != 2 or targets.shape != h.shape[:1]:
+        raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
+    if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
+        budget = 2**22 if h.device.type == "cpu" else 2**28
+        chunk_rows = max(1, budget // weight.shape[0])
+    return SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows))
+
 # %% ../nbs/02_model.ipynb #47da1254
 def unembed(self: GPT, h, softcap=True):
     "float32 logits (..., vocab_size) from hidden states h (..., n_embd)."
@@ -344,8 +392,9 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean"):
     if targets.shape != idx.shape: raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
     flat_targets = targets.reshape(-1)                                          # (B*T,)
     keep = (flat_targets != -1).nonzero().squeeze(1)                           # (N,)
-    logits = self.unembed(h.reshape(-1, h.size(-1)).index_select(0, keep))     # (N, vocab)
-    losses = F.cross_entropy(logits, flat_targets.index_select(0, keep), reduction="none")  # (N,)
+    h_kept = h.reshape(-1, h.size(-1)).index_select(0, keep)                   # (N, d)
+    losses = softcapped_nll(h_kept, self.lm_head.weight[: self.config.vocab_size], flat_targets.index_select(0, keep),
+                            self.softcap)                                       # (N,)
     if loss_reduction == "mean": return losses.mean()
     if loss_reduction == "sum": return losses.sum()
     return losses.new_zeros(flat_targets.shape[0]).index_copy(0, keep, losses)
@@ -357,6 +406,36 @@ def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):
     c = self.config
     return KVCache(batch_size, c.n_kv_head, seq_len or c.sequence_len, c.head_dim, c.n_layer, self.get_device(), dtype)
 GPT.new_kv_cache = new_kv_cache
+
+# %% ../nbs/02_model.ipynb #e4a36da9
+class GraphKVCache:
+    "Keys/values kept as autograd tensors (no buffer, no detach), for a prefix computed once and shared by B rows."
+    def __init__(self, num_layers, max_seq_len, device=None):
+        self.keys, self.values = [None] * num_layers, [None] * num_layers    # each (1 | B, T, H_kv, D)
+        self.cache_seqlens = torch.zeros(1, dtype=torch.long, device=device) # (B,)
+        self.prev_embedding = None                                            # (1 | B, 1, d), in the graph
+        self.max_seq_len = max_seq_len
+
+    @property
+    def batch_size(self): return self.cache_seqlens.shape[0]
+    def expand(self, batch_size):
+        "Share what is stored so far (batch 1) with `batch_size` rows."
+        if self.batch_size != 1: raise ValueError(f"only a batch-1 prefix can be expanded, this cache has {self.batch_size} rows")
+        self.cache_seqlens = self.cache_seqlens.expand(batch_size).clone()
+        return self
+
+    def update(self, layer, k, v, ctx):
+        "Append keys/values (B, T, H_kv, D) after the stored ones; return all of them (B, k_len, H_kv, D)."
+        if not ctx["uniform"]: raise ValueError("GraphKVCache needs every row at the same position")
+        if self.keys[layer] is not None:
+            B = k.shape[0]
+            k = torch.cat([self.keys[layer].expand(B, -1, -1, -1), k], dim=1)
+            v = torch.cat([self.values[layer].expand(B, -1, -1, -1), v], dim=1)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+    def remember_last(self, x):
+        "Keep the last position of x (B, T, d) for the next forward's smear, gradient included."
+        self.prev_embedding = x[:, -1:]
 
 # %% ../nbs/02_model.ipynb #0ff03cf5
 class MultiOptimizer:
