@@ -7,8 +7,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .model import GraphKVCache
+
 # %% auto #0
-__all__ = ['NORMALIZATIONS', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_entropy', 'mean_entropy']
+__all__ = ['NORMALIZATIONS', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_entropy', 'mean_entropy',
+           'shared_prefix_len', 'shared_prefix_cache', 'token_logp']
 
 # %% ../nbs/07_loss.ipynb #86c058da
 NORMALIZATIONS = ("nanochat", "token", "sequence", "drgrpo")
@@ -104,3 +107,25 @@ def mean_entropy(x: torch.Tensor, mask: torch.Tensor | None = None, unembed=None
         rows = flat[chunk]                                                      # (chunk, V) or (chunk, D)
         total += token_entropy(rows if unembed is None else unembed(rows)).sum().item()
     return total / idx.numel()
+
+# %% ../nbs/07_loss.ipynb #9d3391bf
+def shared_prefix_len(inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    "Leading positions that every row of inputs (B, T) has in common and none trains on; at most T - 1."
+    B, T = inputs.shape
+    if B < 2 or T < 2: return 0
+    stop = ((inputs != inputs[:1]).any(0) | (targets != -1).any(0)).nonzero()  # positions where sharing ends
+    return min(int(stop[0]) if len(stop) else T, T - 1)
+
+def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKVCache:
+    "A cache holding the first prefix_len tokens of inputs (B, T), run once at batch 1, shared by all B rows."
+    cache = GraphKVCache(model.config.n_layer, model.rotary_len, inputs.device)
+    if prefix_len: model.hidden(inputs[:1, :prefix_len], kv_cache=cache)
+    return cache.expand(inputs.shape[0])
+
+def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, share_prefix: bool = True) -> torch.Tensor:
+    "Log-probability of each target token (B, T), 0 where the target is -1; a prefix all rows share runs once."
+    P = shared_prefix_len(inputs, targets) if share_prefix else 0
+    if P == 0: return -model(inputs, targets=targets, loss_reduction="none").view_as(targets)
+    cache = shared_prefix_cache(model, inputs, P)
+    logp = -model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none")  # (B * (T - P),)
+    return F.pad(logp.view(inputs.shape[0], -1), (P, 0))                      # (B, T)

@@ -5,11 +5,12 @@
 # %% auto #0
 __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'resolve_preset', 'validate', 'build_parser', 'config_from_args',
            'autodetect_device_type', 'init_distributed', 'compute_dtype', 'autocast_for', 'lr_multiplier',
-           'sync_gradients', 'reduce_sums', 'step_normalizer', 'token_logp', 'pass_entropy', 'backward_passes',
-           'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable', 'complete_steps', 'elastic_restarts',
-           'PolicyStart', 'load_policy', 'load_resume_point', 'NonFiniteError', 'train', 'param_fingerprint', 'main']
+           'sync_gradients', 'reduce_sums', 'step_normalizer', 'pass_entropy', 'backward_passes',
+           'use_sparse_embedding_grads', 'densify_grads', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir',
+           'check_writable', 'complete_steps', 'elastic_restarts', 'PolicyStart', 'load_policy', 'load_resume_point',
+           'NonFiniteError', 'train', 'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #68242c49
+# %% ../nbs/09_train.ipynb #90b29f80
 import argparse, copy, dataclasses, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -24,7 +25,8 @@ from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_ch
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic
 from .advantages import ADVANTAGE_METHODS
-from .loss import NORMALIZATIONS, count_trained, loss_normalizer, mean_entropy, pg_loss
+from .loss import (NORMALIZATIONS, count_trained, loss_normalizer, mean_entropy, pg_loss, shared_prefix_cache,
+                         shared_prefix_len, token_logp)
 from .evaluate import evaluate_pass_at_k
 
 # %% ../nbs/09_train.ipynb #6f58afcf
@@ -226,7 +228,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #c9d5d805
+# %% ../nbs/09_train.ipynb #48e9631e
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained((t != -1).cpu()) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -234,15 +236,13 @@ def step_normalizer(cfg, targets_per_pass, device, world_size):
     return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
                            num_microbatches=totals["passes"], max_len=cfg.max_new_tokens, world_size=world_size)
 
-def token_logp(model, inputs, targets):
-    "Log-probability of each target token (B, T); 0 where the target is -1."
-    return -model(inputs, targets=targets, loss_reduction="none").view_as(targets)
-
 def pass_entropy(model, inputs, targets, autocast, rows: int = 2) -> tuple[float, int]:
     "(summed entropy of the policy's next-token distribution at the trained positions, their count) of a pass's first rows."
     inputs, targets = inputs[:rows], targets[:rows]
-    mask = targets != -1                                                       # (b, T)
-    with torch.no_grad(), autocast: h = model.hidden(inputs)                   # (b, T, d)
+    P = shared_prefix_len(inputs, targets)
+    mask = targets[:, P:] != -1                                                # (b, T - P)
+    with torch.no_grad(), autocast:
+        h = model.hidden(inputs[:, P:], kv_cache=shared_prefix_cache(model, inputs, P))  # (b, T - P, d)
     n = int(mask.sum())
     return (mean_entropy(h, mask, unembed=model.unembed) * n if n else 0.0), n
 
@@ -260,10 +260,21 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
     return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #f001c963
+# %% ../nbs/09_train.ipynb #21d878c2
+def use_sparse_embedding_grads(model):
+    "Make every embedding table return sparse gradients (only the rows a pass used)."
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding): m.sparse = True
+
+def densify_grads(params):
+    "Replace sparse gradients by dense ones, for the all-reduce, the norm and the optimizers."
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
+
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
+    densify_grads(params)
     sync_gradients(params, world_size)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
     if math.isfinite(grad_norm):
@@ -272,7 +283,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-# %% ../nbs/09_train.ipynb #e7f9f916
+# %% ../nbs/09_train.ipynb #ec94aca5
 class RunLog:
     "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
     def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
@@ -305,7 +316,7 @@ class RunLog:
         "Finish the wandb run, if any."
         if self.wandb is not None: self.wandb.finish()
 
-# %% ../nbs/09_train.ipynb #88b8cf55
+# %% ../nbs/09_train.ipynb #e70aa391
 def make_tasks(cfg: Config):
     "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
     try: train_task, val_task = _build_tasks(cfg)
@@ -351,7 +362,7 @@ def complete_steps(directory: Path, world_size: int) -> list[int]:
         return all((directory / name).is_file() for name in needed)
     return [s for s in reversed(checkpoint_steps(directory)) if complete(s)]
 
-# %% ../nbs/09_train.ipynb #e03d17dc
+# %% ../nbs/09_train.ipynb #b9b5c45a
 def elastic_restarts() -> int:
     "How often torchrun has restarted this worker group (0 outside torchrun and on the first attempt)."
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -408,7 +419,7 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
     if agreed.item() < 0: raise CheckpointError(f"--resume: no readable checkpoint in {out}; " + " | ".join(errors))
     return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
 
-# %% ../nbs/09_train.ipynb #a44bf83e
+# %% ../nbs/09_train.ipynb #6aa37d83
 class NonFiniteError(RuntimeError):
     "Too many optimizer steps in a row had a non-finite loss or gradient."
 
@@ -442,6 +453,7 @@ def _train(cfg, rank, world, device):
                                        matrix_lr=cfg.matrix_lr, weight_decay=cfg.weight_decay)
     for group in optimizer.param_groups: group["lr"] = group["initial_lr"] = group["initial_lr"] * cfg.init_lr_frac
     if policy.optim_state is not None: optimizer.load_state_dict(policy.optim_state)
+    use_sparse_embedding_grads(model)
     engine = Engine(model, tokenizer)
     resume = policy.resume or {}
     start, bad_steps, skipped = resume.get("step", 0), resume.get("bad_steps", 0), resume.get("skipped", 0)
@@ -478,7 +490,7 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #b47dae33
+# %% ../nbs/09_train.ipynb #ef447ffc
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
              rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
@@ -517,7 +529,7 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")},
             "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": t3 - t2}
 
-# %% ../nbs/09_train.ipynb #4a40c4ed
+# %% ../nbs/09_train.ipynb #10eae0ef
 def _evaluate(cfg, engine, tokenizer, task, autocast, rank, world, master) -> dict:
     "pass@k and first@k on the first eval_examples held-out problems, the same problems and seeds every time."
     t0 = time.perf_counter()
@@ -550,7 +562,7 @@ def _line(r: dict, num_steps: int) -> str:
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} | loss {r['loss']:+.5f}"
             f" | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}" + (f" | {evals}" if evals else ""))
 
-# %% ../nbs/09_train.ipynb #336c73f5
+# %% ../nbs/09_train.ipynb #c8d62408
 def param_fingerprint(model) -> str:
     "A hash of the exact bytes of every parameter."
     h = hashlib.sha256()
@@ -565,12 +577,12 @@ def _check_ranks_agree(model, world: int):
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1: raise RuntimeError(f"ranks ended with different parameters: {prints}")
 
-# %% ../nbs/09_train.ipynb #24f0f709
+# %% ../nbs/09_train.ipynb #1b7961e5
 def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
     try: train(config_from_args(argv))
     except (ValueError, FileNotFoundError, NonFiniteError) as e: sys.exit(f"nanorl.train: error: {e}")
 
-# %% ../nbs/09_train.ipynb #b07d5d58
+# %% ../nbs/09_train.ipynb #b1154a3b
 #| eval: false
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()
