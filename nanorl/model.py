@@ -380,7 +380,9 @@ def softcapped_nll(h, weight, targets, softcap, chunk_rows=None):
 # %% ../nbs/02_model.ipynb #47da1254
 def unembed(self: GPT, h, softcap=True):
     "float32 logits (..., vocab_size) from hidden states h (..., n_embd)."
-    logits = F.linear(h, self.lm_head.weight[: self.config.vocab_size]).float()
+    W = self.lm_head.weight[: self.config.vocab_size]                           # (V, d)
+    if h.ndim == 2 and h.shape[0] <= 32 and h.device.type == "cpu": logits = (W @ h.T).T.float()  # (n, V), a view
+    else: logits = F.linear(h, W).float()
     return self.softcap * torch.tanh(logits / self.softcap) if softcap else logits
 
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean"):
