@@ -20,10 +20,10 @@ from .evaluate import evaluate_pass_at_k
 from .train import Config, train
 
 # %% auto #0
-__all__ = ['HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'DemoConfig', 'make_tasks', 'NoSignal', 'make_control_tasks', 'train_tokenizer',
-           'build_model', 'sft_batch', 'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config', 'eval_points',
-           'moving_average', 'plot_run', 'set_threads', 'clear_run', 'prepare', 'run_rl', 'before_after', 'run_demo',
-           'build_parser', 'main']
+__all__ = ['TRAIN_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'DemoConfig', 'make_tasks', 'NoSignal', 'make_control_tasks',
+           'train_tokenizer', 'build_model', 'sft_batch', 'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config',
+           'eval_points', 'moving_average', 'plot_run', 'set_threads', 'clear_run', 'prepare', 'run_rl', 'before_after',
+           'run_demo', 'build_parser', 'main']
 
 # %% ../nbs/10_demo.ipynb #3b6f2382
 @dataclass
@@ -39,7 +39,6 @@ class DemoConfig:
     n_embd: int = 128
     n_head: int = 2
     sequence_len: int = 128
-    num_problems: int = 4000          # training problems (the held-out set is fixed, see make_tasks)
     # SFT warm-up
     sft_batch_size: int = 32
     sft_max_steps: int = 400
@@ -71,11 +70,12 @@ class DemoConfig:
         return replace(self, **{**dict(rl_steps=30, eval_every=1000, eval_examples=200), **changes})
 
 # %% ../nbs/10_demo.ipynb #a3061f58
-HELD_OUT_SEED, HELD_OUT_PROBLEMS = 1234, 1000
+TRAIN_PROBLEMS = 4000                          # training problems, drawn with the run's seed
+HELD_OUT_SEED, HELD_OUT_PROBLEMS = 1234, 1000  # the fixed held-out set
 
 def make_tasks(cfg: Config):
     "(training task, held-out task) for the demo: Arithmetic problems from the run's seed, a fixed held-out set."
-    return (Arithmetic(n=DemoConfig.num_problems, seed=cfg.seed, split="train"),
+    return (Arithmetic(n=TRAIN_PROBLEMS, seed=cfg.seed, split="train"),
             Arithmetic(n=HELD_OUT_PROBLEMS, seed=HELD_OUT_SEED, split="test"))
 
 class NoSignal:

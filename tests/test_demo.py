@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from nanorl.demo import DemoConfig, before_after, run_demo, run_rl
+from nanorl.demo import (DemoConfig, HELD_OUT_PROBLEMS, TRAIN_PROBLEMS, before_after, make_control_tasks, make_tasks,
+                         run_demo, run_rl)
+from nanorl.train import Config
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +38,26 @@ def test_training_reward_rises(runs):
 
 
 def test_zero_advantage_control_does_not_rise(runs):
-    "The same run with every advantage 0: same starting pass@1, no gain, a zero loss and no gradient."
+    "The same run with every advantage 0: same start, every group without signal, a zero loss and gradient, pass@1 flat while RL's rises."
     _, s, control = runs
+    rl = s["records"]
+    assert len(control) == len(rl)
+    assert control[0]["seq_len"] == rl[0]["seq_len"], "step 0 samples the same completions from the same model and seeds"
+    assert all(r["zero_signal_frac"] == 1 for r in control), "every group of the control has equal (zero) rewards"
+    assert all(r["loss"] == 0 and r["grad_norm"] == 0 for r in control), "zero advantages must give a zero loss and gradient"
+    assert any(r["zero_signal_frac"] < 1 for r in rl) and all(r["grad_norm"] > 0 for r in rl), "the RL run does learn from its groups"
     before, after = before_after(control)
     assert before == s["before"], "the control starts from the same model, problems and seeds"
-    assert after - before <= 0.02, f"control pass@1 {before:.3f} -> {after:.3f}"
-    assert all(r["reward"] == 0 and r["loss"] == 0 and r["grad_norm"] == 0 for r in control)
+    assert abs(after - before) <= 0.02, f"control pass@1 {before:.3f} -> {after:.3f}"
+    assert (s["after"] - s["before"]) - (after - before) >= 0.08, f"RL gain {s['after'] - s['before']:.3f}, control gain {after - before:.3f}"
+
+
+def test_training_set_size_is_not_a_setting():
+    "The trainer builds the tasks from its own Config, so the training-set size is a module constant, not a DemoConfig field."
+    with pytest.raises(TypeError, match="num_problems"): DemoConfig(num_problems=10)
+    train_task, held_out = make_tasks(Config(seed=0))
+    assert (len(train_task), len(held_out)) == (TRAIN_PROBLEMS, HELD_OUT_PROBLEMS)
+    assert len(make_control_tasks(Config(seed=0))[0]) == TRAIN_PROBLEMS
 
 
 def test_run_directory(runs):
