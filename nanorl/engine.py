@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['CALC_ARITHMETIC_CHARS', 'CALC_STRING_CHARS', 'CALC_FORBIDDEN_WORDS', 'CALC_MAX_CHARS', 'CALC_MAX_NODES',
            'CALC_MAX_INT_DIGITS', 'CALC_MAX_INT_BITS', 'CALC_MAX_SECONDS', 'FAILED', 'M32', 'GREEDY_CANDIDATES',
-           'calculator_language', 'use_calculator', 'sample_next_token', 'mix32', 'row_key', 'step_key', 'gumbel_noise',
-           'reference_generate', 'RowState', 'context_limit', 'Engine', 'softcap', 'pick_tokens', 'stop_ids',
-           'run_calculator', 'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate',
-           'generate_many', 'generate_batch']
+           'NOISE_CHUNK_ELEMENTS', 'calculator_language', 'use_calculator', 'sample_next_token', 'mix32', 'row_key',
+           'step_key', 'seeds_per_prompt', 'gumbel_noise', 'reference_generate', 'RowState', 'context_limit', 'Engine',
+           'softcap', 'pick_tokens', 'sample_full_vocab', 'stop_ids', 'run_calculator', 'advance_row', 'check_request',
+           'new_stats', 'prefill', 'decode_steps', 'generate', 'generate_many', 'generate_batch']
 
 # %% ../nbs/04_engine.ipynb #301f3865
-import ast, math, operator, string, time
+import ast, math, numbers, operator, string, time
 from collections import deque
 import torch, torch.nn.functional as F
 from .model import KVCache
@@ -188,13 +188,26 @@ def mix32(x):
     return (x >> 16) ^ x
 
 def row_key(seed, sample):
-    "The 32-bit key of sample `sample` of a prompt whose seed is `seed` (any Python int)."
-    s = seed & (2**64 - 1)
+    "The 32-bit key of sample `sample` of a prompt whose seed is `seed` (any integer, numpy integers too)."
+    s, sample = operator.index(seed) & (2**64 - 1), operator.index(sample)
     return mix32(mix32(s & M32) ^ mix32(((s >> 32) + 0x9E3779B9) & M32) ^ mix32((sample * 0x85EBCA6B + 0x27D4EB2F) & M32))
 
 def step_key(step):
     "The 32-bit key of a row's step-th generated token."
     return mix32((step * 0xC2B2AE35 + 0x165667B1) & M32)
+
+def _is_integer(x):
+    "True for integers of any integral type (int, numpy integers, ...), False for bool and everything else."
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+def seeds_per_prompt(seed, n_prompts):
+    "One int seed per prompt: from an integer (prompt p gets seed + p) or from a sequence of n_prompts integers."
+    expected = f"seed must be an integer or a list of {n_prompts} integers (one per prompt)"
+    if _is_integer(seed): return [int(seed) + p for p in range(n_prompts)]
+    try: seeds = None if isinstance(seed, (str, bytes)) else list(seed)
+    except TypeError: seeds = None
+    if seeds is None or len(seeds) != n_prompts or not all(map(_is_integer, seeds)): raise ValueError(f"{expected}, got {seed!r}")
+    return [int(s) for s in seeds]
 
 def gumbel_noise(keys, step, token_hash):
     "Gumbel(0, 1) noise (B, k) for rows with `keys` (B,) int64 at `step`, one value per candidate token (token_hash (B, k))."
@@ -210,7 +223,7 @@ def reference_generate(model, tokenizer, tokens, num_samples=1, max_tokens=16, t
     sp = tokenizer.encode_special
     stops = {tokenizer.get_bos_token_id(), sp("<|assistant_end|>")}
     py_start, py_end, out_start, out_end = (sp(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end"))
-    device, n = model.get_device(), num_samples
+    device, n, (seed,) = model.get_device(), num_samples, seeds_per_prompt(seed, 1)
     keys = torch.tensor([row_key(seed, j) for j in range(n)], dtype=torch.long, device=device)
     full = [list(tokens) for _ in range(n)]                  # every row, also after it stopped (rows stay the same length)
     seqs, masks = [list(tokens) for _ in range(n)], [[0] * len(tokens) for _ in range(n)]
@@ -292,6 +305,8 @@ def softcap(model, x):
     cap = getattr(model, "softcap", None)
     return cap * torch.tanh(x / cap) if cap else x
 
+NOISE_CHUNK_ELEMENTS = 1 << 21  # full-vocabulary sampling: at most this many (row, token) noise values at a time
+
 @torch.no_grad()
 def pick_tokens(self, h, keys, step, temperature=1.0, top_k=None, suppress_stop=False):
     "Next token id (b,) for hidden states h (b, d): greedy, or Gumbel-max over the top_k candidates with per-row noise."
@@ -309,32 +324,43 @@ def pick_tokens(self, h, keys, step, temperature=1.0, top_k=None, suppress_stop=
         scores = softcap(self.model, vals) / temperature + gumbel_noise(keys, step, self.token_hash(V, raw.device)[idx])
         if suppress_stop: scores = scores.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
         return idx.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
-    scores = softcap(self.model, raw) / temperature + gumbel_noise(keys, step, self.token_hash(V, raw.device)[None])
-    if suppress_stop: scores[:, self.stop_ids(raw.device)] = float("-inf")   # after the softcap: tanh(-inf) is finite
-    return scores.argmax(dim=-1)
+    return self.sample_full_vocab(raw, keys, step, temperature, suppress_stop)
+
+def sample_full_vocab(self, raw, keys, step, temperature, suppress_stop=False):
+    "Gumbel-max over the whole vocabulary (b,), a chunk of rows at a time: a row's noise ignores other rows, so chunks change no sample."
+    b, V = raw.shape
+    hashes, picks = self.token_hash(V, raw.device)[None], raw.new_empty(b, dtype=torch.long)   # (1, V), (b,)
+    rows = max(1, NOISE_CHUNK_ELEMENTS // V)
+    for s in range(0, b, rows):
+        scores = softcap(self.model, raw[s:s + rows]) / temperature + gumbel_noise(keys[s:s + rows], step, hashes)  # (rows, V)
+        if suppress_stop: scores[:, self.stop_ids(raw.device)] = float("-inf")   # after the softcap: tanh(-inf) is finite
+        picks[s:s + rows] = scores.argmax(dim=-1)
+    return picks
 
 def stop_ids(self, device):
     "The stop tokens' ids as a tensor on `device`."
     return torch.tensor(sorted(self.stop_tokens), dtype=torch.long, device=device)
 Engine.stop_ids = stop_ids
 Engine.pick_tokens = pick_tokens
+Engine.sample_full_vocab = sample_full_vocab
 
 # %% ../nbs/04_engine.ipynb #a37d7033
 def run_calculator(self, state):
-    "Close the row's python block: evaluate it and queue <|output_start|> result <|output_end|> as forced tokens; True if called."
+    "Close the row's python block: evaluate it and queue <|output_start|> result <|output_end|> as forced tokens; None if empty, else whether it succeeded."
     expr, state.expr, state.in_python = state.expr, [], False
-    if not expr: return False
+    if not expr: return None
     result = use_calculator(self.tokenizer.decode(expr), nanochat_format=self.nanochat_format)
-    if result is not None:
-        state.forced.extend([self.output_start, *self.tokenizer.encode(str(result)), self.output_end])
-    else: self.last_stats["tool_errors"] += 1
+    if result is None: return False
+    state.forced.extend([self.output_start, *self.tokenizer.encode(str(result)), self.output_end])
     return True
 Engine.run_calculator = run_calculator
 
-def advance_row(self, state, token):
-    "Feed one emitted token through a row's tool state machine (nested python_start restarts the expression)."
+def advance_row(self, state, token, live=True):
+    "Feed one emitted token through a row's tool state machine (nested python_start restarts the expression); only live rows count tool calls."
     if token == self.python_start: state.in_python, state.expr = True, []
-    elif token == self.python_end and state.in_python: self.last_stats["tool_calls"] += self.run_calculator(state)
+    elif token == self.python_end and state.in_python:
+        ok = self.run_calculator(state)
+        if live and ok is not None: self.last_stats["tool_calls"] += 1; self.last_stats["tool_errors"] += not ok
     elif state.in_python: state.expr.append(token)
 Engine.advance_row = advance_row
 
@@ -353,10 +379,7 @@ def check_request(self, prompts, num_samples, max_tokens, temperature, seed):
     if max_tokens < 0: raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if longest + max_tokens > limit:
         raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's {limit} positions")
-    seeds = [seed + p for p in range(len(prompts))] if isinstance(seed, int) else list(seed)
-    if len(seeds) != len(prompts) or not all(isinstance(s, int) for s in seeds):
-        raise ValueError(f"seed must be an int or a list of {len(prompts)} ints (one per prompt), got {seed!r}")
-    return max_tokens, seeds
+    return max_tokens, seeds_per_prompt(seed, len(prompts))
 Engine.check_request = check_request
 
 def new_stats(n_prompts, n_rows):
@@ -411,7 +434,7 @@ def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, see
                         busy.discard(r)
                         continue
                 elif live: stats["forced_tokens" if masks[i] == 0 else "sampled_tokens"] += 1
-                self.advance_row(st, token)
+                self.advance_row(st, token, live=not st.completed)   # finished rows (retire=False) still run the tools
                 if st.busy: busy.add(r)
                 else: busy.discard(r)
         else: stats["sampled_tokens"] += len(rows) - (n_dead if retire else n_done)

@@ -1,5 +1,5 @@
 "Engine and calculator checks against nanochat's fixtures and the no-cache reference (tiny models, a few seconds)."
-import hashlib, json, math, random, threading
+import ast, hashlib, json, math, random, threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,6 +62,14 @@ def test_calculator_quirks_and_limits():
     assert use_calculator("'x'.count('y') or 'ab'.upper().count('A')") == 1
     assert use_calculator("12/60") == 0.2 and use_calculator("0.2*50") == 10 and use_calculator("0.2*50", True) == 10.0
     assert str(use_calculator("-0.5*2")) == "-1"
+
+def test_string_arithmetic_is_refused():
+    "nanochat's string form has no + or *; our evaluator refuses them too (unbounded growth). Never raises."
+    from nanorl.engine import FAILED, _evaluate
+    for e in ["('ab'+'cd').count('a')", "('ab'*3).count('a')", "'x'.count('x') + 1", "('a'*99999999999).count('a')", "'ab'+'cd'"]:
+        assert use_calculator(e) is None and use_calculator(e, nanochat_format=True) is None, e
+    for e in ["('ab'+'cd').count('a')", "('ab'*3).count('a')", "('a'*99999999999).count('a')", "'ab'+'cd'", "3*'ab'"]:
+        assert _evaluate(ast.parse(e, mode="eval"), float("inf")) is FAILED, e   # refused even past the character rules
 
 def test_calculator_in_threads():
     out = {}
@@ -216,3 +224,73 @@ def test_determinism_min_new_tokens_and_errors(tok, tool_model, prompt):
         with pytest.raises(ValueError): eng.generate_batch(prompt, **{"num_samples": 1, "max_tokens": 4, **bad})
     with pytest.raises(ValueError): eng.generate_many([prompt, []], 1, 4)
     with pytest.raises(ValueError): eng.generate_many([prompt, prompt], 1, 4, seed=[1])
+
+# ---------------------------------------------------------------- seeds, tool-call stats, chunked noise, min_new_tokens
+def test_seeds_may_be_any_integer_type(tok, tool_model, prompt):
+    np = pytest.importorskip("numpy")
+    eng, prompts = Engine(tool_model, tok), [prompt, prompt[:5]]
+    want = eng.generate_many(prompts, 2, 6, seed=[3, 4])
+    assert eng.generate_many(prompts, 2, 6, seed=np.int64(3)) == want
+    assert eng.generate_many(prompts, 2, 6, seed=[np.int64(3), np.uint16(4)]) == want
+    assert eng.generate_many(prompts, 2, 6, seed=np.array([3, 4])) == want
+    assert eng.generate_batch(prompt, 2, 6, seed=np.int32(3)) == eng.generate_batch(prompt, 2, 6, seed=3)
+    assert list(eng.generate(prompt, 2, 6, seed=np.int64(3))) == list(eng.generate(prompt, 2, 6, seed=3))
+    assert reference_generate(tool_model, tok, prompt, 2, 6, seed=np.int64(3)) == eng.generate_batch(prompt, 2, 6, seed=3)
+    for bad in [True, 3.0, "3", b"3", None, [3, 4.0], [3, True], [3], np.float64(3), {"a": 1}]:
+        with pytest.raises(ValueError, match="seed must be an integer"): eng.generate_many(prompts, 2, 6, seed=bad)
+    with pytest.raises(ValueError, match="seed must be an integer"): list(eng.generate(prompt, 2, 6, seed=np.float32(1)))
+
+def test_stream_counts_only_tool_calls_of_running_rows(tok):
+    sp = tok.encode_special
+    end, py_start, py_end = sp("<|assistant_end|>"), sp("<|python_start|>"), sp("<|python_end|>")
+    first, word = tok.encode("The")[0], tok.encode(" so")[0]
+    scripts = [[first, end, py_start, *tok.encode("2+2"), py_end, word, word, py_start, *tok.encode("1/0"), py_end, word],
+               [first, word, py_start, *tok.encode("6*7"), py_end, word, py_start, *tok.encode("1/0"), py_end, *[word] * 8, end]]
+    eng = Engine(ScriptedModel(scripts, tok.get_vocab_size(), end), tok)
+    stream = list(eng.generate([tok.get_bos_token_id()], num_samples=2, max_tokens=40, temperature=0.0))
+    cols = [c for c, _ in stream]
+    assert cols[1][0] == end and sum(c[0] == py_end for c in cols) == 2   # row 0 finished, then made two calls
+    assert any(m[0] == 0 for _, m in stream)                               # ... whose output is still forced
+    assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)   # only row 1's calls
+    eng.generate_batch([tok.get_bos_token_id()], num_samples=2, max_tokens=40, temperature=0.0)
+    assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)
+
+def test_full_vocab_noise_is_chunked_and_chunks_change_nothing(tok, tool_model, prompt, monkeypatch):
+    import nanorl.engine as engine
+    shapes = []
+    def recording_noise(keys, step, token_hash):
+        out = gumbel_noise(keys, step, token_hash)
+        shapes.append(tuple(out.shape))
+        return out
+    monkeypatch.setattr(engine, "gumbel_noise", recording_noise)
+    eng, prompts = Engine(tool_model, tok), [prompt, prompt[:5], tok.encode("Total:", prepend="<|bos|>")]
+    kw = dict(num_samples=6, max_tokens=16, temperature=0.9, top_k=None, seed=[4, 5, 6])
+    whole = eng.generate_many(prompts, **kw)
+    V = shapes[0][1]
+    assert V == tool_model.config.vocab_size and shapes[0][0] == 18               # small batch: one chunk
+    for rows in [1, 4]:                                                            # 18 rows: 4 leaves a short last chunk
+        monkeypatch.setattr(engine, "NOISE_CHUNK_ELEMENTS", rows * V)
+        shapes.clear()
+        assert eng.generate_many(prompts, **kw) == whole
+        assert max(r for r, _ in shapes) == rows and any(r < rows for r, _ in shapes) == (rows > 1)
+    monkeypatch.setattr(engine, "NOISE_CHUNK_ELEMENTS", 1 << 21)
+    big = torch.randn(256, 65536)                                                   # nanochat's vocabulary at the RL batch
+    shapes.clear()
+    Engine(tool_model, tok).sample_full_vocab(big, torch.arange(256), 0, 1.0)
+    assert max(r * v for r, v in shapes) <= 1 << 21 and sum(r for r, _ in shapes) == 256
+
+def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, prompt):
+    bias = torch.zeros(tok.get_vocab_size())
+    stops = [tok.encode_special("<|assistant_end|>"), tok.get_bos_token_id()]
+    bias[stops] = 40.0
+    model = BiasedModel(tool_model.base, bias)
+    kw = dict(num_samples=8, max_tokens=16, temperature=1.0, top_k=None, seed=11)
+    free = [len(s) - len(prompt) for s in Engine(model, tok).generate_batch(prompt, **kw)[0]]
+    assert min(free) == 0                                                         # the bias really stops rows
+    eng = Engine(model, tok)
+    seqs, masks = eng.generate_batch(prompt, min_new_tokens=6, **kw)
+    held = [len(s) - len(prompt) for s in seqs]
+    assert min(held) >= 6 and max(held) < 16 and eng.last_stats["finished_rows"] == 8
+    cols = [c for c, _ in eng.generate(prompt, min_new_tokens=6, **kw)]
+    assert not any(t in stops for c in cols[:6] for t in c) and any(t in stops for t in cols[6])
+    assert (seqs, masks) == reference_generate(model, tok, prompt, min_new_tokens=6, **kw)
