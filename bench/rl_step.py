@@ -5,12 +5,19 @@ random weights, so samples run to the token limit), 100-token prompts, and
 `--examples-per-step 2 --num-samples 8 --device-batch-size 8 --max-new-tokens 64`, float32, 2 threads.
 It runs the real `nanorl.train.train` loop and reads the timings it logs to metrics.jsonl.
 
-    python bench/rl_step.py [--steps 8] [--threads 2]
+`--pattern nanochat` runs the same loop the way chat_rl spends its time, as a same-machine baseline built from
+nanorl's parts (an emulation, not nanochat's code): one prompt per engine call (8 rows), logits and
+cross-entropy at every position of every row, the prompt recomputed for every sample, dense embedding
+gradients, and no entropy diagnostic. It is kind to nanochat: its sampler and optimizer are nanorl's.
+`--compare N` alternates N runs of each pattern in fresh processes, so both see the same machine load.
+
+    python bench/rl_step.py [--steps 8] [--threads 2] [--pattern nanorl|nanochat] [--compare N]
 """
-import argparse, json, os, statistics, sys, tempfile, time
+import argparse, json, os, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from nanorl.checkpoint import save_checkpoint
 from nanorl.model import GPT, GPTConfig
@@ -69,12 +76,48 @@ def write_base_dir(base: Path, seed=0):
     return tok
 
 
+def full_logits_logp(model, inputs, targets):
+    "chat_rl's log-probs: softcapped logits at every position (B, T, V), then cross-entropy with ignore_index -1."
+    logits = model.unembed(model.hidden(inputs))                                # (B, T, V)
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+    return -nll.view_as(targets)
+
+
+def use_nanochat_pattern() -> dict:
+    "Swap the trainer's shortcuts for chat_rl's way of spending time; returns the Config overrides it needs."
+    import nanorl.train as T
+    T.token_logp = full_logits_logp
+    T.use_sparse_embedding_grads = lambda model: None
+    T.pass_entropy = lambda *args, **kwargs: (0.0, 0)
+    return {"rollout_rows": 8}                                                  # one prompt (8 samples) per engine call
+
+
+def compare(args):
+    "Alternate runs of both patterns in fresh processes and print each run's medians and the ratio."
+    results = {"nanorl": [], "nanochat": []}
+    for _ in range(args.compare):
+        for pattern in results:
+            cmd = [sys.executable, __file__, "--steps", str(args.steps), "--threads", str(args.threads),
+                   "--pattern", pattern, "--json"]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results[pattern].append(json.loads(out.strip().splitlines()[-1]))
+            r = results[pattern][-1]
+            print(f"{pattern:8s} {r['step']:.3f} s/step = rollout {r['t_rollout']:.3f} + training {r['t_train']:.3f}", flush=True)
+    ours, theirs = (statistics.median(r["step"] for r in results[k]) for k in ("nanorl", "nanochat"))
+    print(f"median of {args.compare} runs: nanorl {ours:.3f} s/step, nanochat pattern {theirs:.3f} s/step: {theirs / ours:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="RL steps (the first is warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-examples", type=int, default=16, help="problems in the one timed evaluation")
+    ap.add_argument("--pattern", choices=["nanorl", "nanochat"], default="nanorl", help="whose way of spending time")
+    ap.add_argument("--compare", type=int, default=0, help="alternate N runs of each pattern and report the ratio")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the medians")
     args = ap.parse_args()
+    if args.compare: return compare(args)
+    overrides = use_nanochat_pattern() if args.pattern == "nanochat" else {}
     torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
     sys.path.insert(0, str(Path(__file__).parent))
@@ -84,7 +127,7 @@ def main():
         prompt = tok.render_for_completion(make_tasks(None)[0][0])
         cfg = Config(base_dir=str(base), device_type="cpu", task="rl_step:make_tasks", examples_per_step=2, num_samples=8,
                      device_batch_size=8, max_new_tokens=64, num_steps=args.steps, eval_every=args.steps - 1,
-                     eval_examples=args.eval_examples, save_every=10_000, top_k=50)
+                     eval_examples=args.eval_examples, save_every=10_000, top_k=50, **overrides)
         t0 = time.perf_counter()
         records = train(cfg)
         wall = time.perf_counter() - t0
@@ -98,6 +141,7 @@ def main():
           f"+ training {med['t_train']:.3f}")
     print(f"first step (warm-up): rollout {records[0]['t_rollout']:.3f} + training {records[0]['t_train']:.3f}")
     print(f"one evaluation: {args.eval_examples} problems x 8 samples x 64 tokens in {ev['t_eval']:.2f} s; whole run {wall:.1f} s")
+    if args.json: print(json.dumps({"step": total, **med, "first": records[0]["t_rollout"] + records[0]["t_train"]}))
 
 
 if __name__ == "__main__":
