@@ -32,10 +32,10 @@ class DemoConfig:
     out_dir: str = "runs/demo"        # run directory: tokenizer/, chatsft_checkpoints/, chatrl_checkpoints/, plots
     seed: int = 0                     # seeds the data order, the initialization and every sample
     threads: int = 0                  # torch CPU threads; 0: $OMP_NUM_THREADS if set, else 1 (see set_threads)
-    tag: str = "d2"                   # model tag of the checkpoints
+    tag: str = "d3"                   # model tag of the checkpoints
     # tokenizer and model
     vocab_size: int = 512             # asked for; the tiny corpus supports a little fewer tokens
-    n_layer: int = 2
+    n_layer: int = 3                  # at 2, backout would sit after the last layer (see notebook 02)
     n_embd: int = 128
     n_head: int = 2
     sequence_len: int = 128

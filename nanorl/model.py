@@ -5,6 +5,7 @@
 # %% ../nbs/02_model.ipynb #e9836ee2
 from __future__ import annotations
 import math
+import warnings
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
@@ -250,6 +251,9 @@ class GPT(nn.Module):
             self.backout_lambda = nn.Parameter(torch.zeros(1))
         if arch.value_embeds:
             self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in range(config.n_layer) if has_value_embed(i, config.n_layer)})
+        if arch.smear and config.n_layer <= 2:
+            warnings.warn(f"n_layer={config.n_layer}: backout is taken after the last layer, so the output is "
+                          "norm((1 - backout_lambda) * x) and flips sign if backout_lambda crosses 1; use n_layer >= 3")
         self.windows = window_sizes(config)
         self.softcap = arch.softcap
         self.rotary_len = config.sequence_len * 10

@@ -80,11 +80,11 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
 
-# %% ../nbs/09_train.ipynb #fd67dab2
+# %% ../nbs/09_train.ipynb #d69c0a0e
 PRESETS = {
     "smoke": dict(num_steps=2, examples_per_step=2, num_samples=4, device_batch_size=4,
                   max_new_tokens=32, eval_every=1, eval_examples=4, save_every=1),
-    "demo": dict(task="nanorl.demo:make_tasks", device_type="cpu", model_tag="d2", num_steps=100, examples_per_step=16,
+    "demo": dict(task="nanorl.demo:make_tasks", device_type="cpu", model_tag="d3", num_steps=100, examples_per_step=16,
                  num_samples=8, device_batch_size=8, max_new_tokens=48, temperature=1.0, top_k=0, init_lr_frac=0.1,
                  eval_every=20, eval_examples=400, eval_samples=4, save_every=100),
 }
