@@ -8,7 +8,8 @@ It runs the real `nanorl.train.train` loop and reads the timings it logs to metr
 `--pattern nanochat` runs the same loop the way chat_rl spends its time, as a same-machine baseline built from
 nanorl's parts (an emulation, not nanochat's code): one prompt per engine call (8 rows), logits and
 cross-entropy at every position of every row, the prompt recomputed for every sample, dense embedding
-gradients, and no entropy diagnostic. It is kind to nanochat: its sampler and optimizer are nanorl's.
+gradients, the head through `F.linear` (MKL, not oneDNN), and no entropy diagnostic. It is kind to nanochat:
+its sampler and optimizer are nanorl's.
 `--compare N` alternates N runs of each pattern in fresh processes, so both see the same machine load.
 
     python bench/rl_step.py [--steps 8] [--threads 2] [--pattern nanorl|nanochat] [--compare N]
@@ -76,19 +77,20 @@ def write_base_dir(base: Path, seed=0):
     return tok
 
 
-def full_logits_logp(model, inputs, targets):
-    "chat_rl's log-probs: softcapped logits at every position (B, T, V), then cross-entropy with ignore_index -1."
+def full_logits_logp(model, inputs, targets, share_prefix=False, with_entropy=False):
+    "chat_rl's log-probs: softcapped logits at every position (B, T, V), then cross-entropy with ignore_index -1 (no entropy)."
     logits = model.unembed(model.hidden(inputs))                                # (B, T, V)
     nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
-    return -nll.view_as(targets)
+    logp = -nll.view_as(targets)
+    return (logp, torch.zeros_like(logp)) if with_entropy else logp
 
 
 def use_nanochat_pattern() -> dict:
     "Swap the trainer's shortcuts for chat_rl's way of spending time; returns the Config overrides it needs."
-    import nanorl.train as T
+    import nanorl.model as M, nanorl.train as T
+    M.ONEDNN_LINEAR = False                                                     # the head through F.linear (MKL), as nanochat
     T.token_logp = full_logits_logp
     T.use_sparse_embedding_grads = lambda model: None
-    T.pass_entropy = lambda *args, **kwargs: (0.0, 0)
     return {"rollout_rows": 8}                                                  # one prompt (8 samples) per engine call
 
 

@@ -122,10 +122,10 @@ def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKV
     if prefix_len: model.hidden(inputs[:1, :prefix_len], kv_cache=cache)
     return cache.expand(inputs.shape[0])
 
-def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, share_prefix: bool = True) -> torch.Tensor:
-    "Log-probability of each target token (B, T), 0 where the target is -1; a prefix all rows share runs once."
+def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, share_prefix: bool = True, with_entropy: bool = False):
+    "Log-probability of each target token (B, T), 0 where the target is -1 (and with_entropy, each position's entropy)."
     P = shared_prefix_len(inputs, targets) if share_prefix else 0
-    if P == 0: return -model(inputs, targets=targets, loss_reduction="none").view_as(targets)
-    cache = shared_prefix_cache(model, inputs, P)
-    logp = -model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none")  # (B * (T - P),)
-    return F.pad(logp.view(inputs.shape[0], -1), (P, 0))                      # (B, T)
+    cache = shared_prefix_cache(model, inputs, P) if P else None
+    nll, entropy = model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none", with_entropy=True)
+    logp, entropy = (F.pad(x.view(inputs.shape[0], -1), (P, 0)) for x in (-nll, entropy))   # (B, T) each
+    return (logp, entropy) if with_entropy else logp

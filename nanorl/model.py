@@ -12,10 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'Generation',
-           'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed', 'attention_mask',
-           'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache',
-           'MultiOptimizer']
+__all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'ONEDNN_LINEAR',
+           'PACK_MIN_ROWS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes',
+           'has_value_embed', 'attention_mask', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'PackedLinear',
+           'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -341,56 +341,84 @@ def hidden(self: GPT, idx, kv_cache=None):
     return norm(x)
 GPT._cache_context, GPT._smear, GPT.hidden = _cache_context, _smear, hidden
 
+# %% ../nbs/02_model.ipynb #de78914a
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
+
+class PackedLinear:
+    "x @ W.T with a snapshot of W (out, in) reordered once for oneDNN (float32 on a CPU); F.linear otherwise."
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.packed = weight.detach(), None
+        if ONEDNN_LINEAR and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+            try: self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+            except RuntimeError: self.packed = None                              # this build or CPU can't: F.linear
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        "(..., in) -> (..., out)."
+        if self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"): return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
 # %% ../nbs/02_model.ipynb #c7fdaa3c
+PACK_MIN_ROWS = 64  # fewer rows than this: reordering the head for oneDNN costs more than it saves
+
 class SoftcappedNLL(torch.autograd.Function):
-    "-log softmax(softcap * tanh(h @ W.T / softcap))[target], with its gradient formed in the forward pass."
+    "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, with the gradient formed in the forward pass."
     @staticmethod
     def forward(ctx, h, weight, targets, softcap, chunk_rows):
         N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
-        nll, dz = [], None                                                      # dz (N, V): d nll / d z
+        head = PackedLinear(weight) if N >= PACK_MIN_ROWS else (lambda x: F.linear(x, weight))
+        nll, entropy, dz = [], [], None                                         # dz (N, V): a quarter of d nll / d z
         for s in range(0, N, chunk_rows):
-            z = h[s:s + chunk_rows] @ weight.T                                  # (n, V) in the matmul dtype
-            t = z.to(torch.promote_types(z.dtype, torch.float32)).div_(softcap).tanh_()  # (n, V) float32 or wider
-            p = torch.softmax(t * softcap, dim=-1)                              # (n, V)
+            z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
+            u = z.to(torch.promote_types(z.dtype, torch.float32)).mul_(2 / softcap).sigmoid_()  # (n, V): tanh = 2u - 1
+            logits = u * (2 * softcap)                                          # (n, V): softcapped logits + softcap
+            p = torch.softmax(logits, dim=-1)                                   # (n, V)
             tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
             p_tgt = p.gather(1, tgt)                                            # (n, 1)
             nll.append(-p_tgt.log().squeeze(1))
+            lse = nll[-1] + logits.gather(1, tgt).squeeze(1)                    # (n,) logsumexp of the logits
+            entropy.append((lse - torch.linalg.vecdot(p, logits)).clamp_(min=0))
             if not needs_grad: continue
             if dz is None: dz = torch.empty(N, weight.shape[0], dtype=z.dtype, device=h.device)
             p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
-            dz[s:s + chunk_rows] = torch.ops.aten.tanh_backward(p, t)           # (p - onehot) * (1 - t**2)
+            torch.ops.aten.sigmoid_backward.grad_input(p, u, grad_input=dz[s:s + chunk_rows])  # (p - onehot) u (1 - u)
         if needs_grad:
             if dz is None: dz = h.new_zeros(0, weight.shape[0])                 # no rows at all
             ctx.save_for_backward(h, weight, dz)
-        return torch.cat(nll) if nll else h.new_zeros(0, dtype=torch.float32)  # (N,)
+        empty = lambda: h.new_zeros(0, dtype=torch.promote_types(h.dtype, torch.float32))
+        nll, entropy = (torch.cat(nll) if nll else empty()), (torch.cat(entropy) if entropy else empty())  # (N,), (N,)
+        ctx.mark_non_differentiable(entropy)
+        return nll, entropy
 
     @staticmethod
-    def backward(ctx, grad_nll):
+    def backward(ctx, grad_nll, grad_entropy):
         h, weight, dz = ctx.saved_tensors
-        g = grad_nll[:, None]                                                   # (N, 1)
+        g = 4 * grad_nll[:, None]                                               # (N, 1); 4: dz holds a quarter
         grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
         grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
         return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None
 
-def softcapped_nll(h, weight, targets, softcap, chunk_rows=None):
-    "Per-row -log p(target) (N,), float32 or wider, for hidden states h (N, d), unembedding weight (V, d), targets (N,)."
+def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False):
+    "Per-row -log p(target) (N,), float32 or wider, for h (N, d), unembedding weight (V, d), targets (N,); and the entropy."
     if h.ndim != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
     if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
         budget = 2**22 if h.device.type == "cpu" else 2**28
         chunk_rows = max(1, budget // weight.shape[0])
-    return SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows))
+    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows))
+    return (nll, entropy) if with_entropy else nll
 
 # %% ../nbs/02_model.ipynb #47da1254
 def unembed(self: GPT, h, softcap=True):
     "float32 logits (..., vocab_size) from hidden states h (..., n_embd)."
-    W = self.lm_head.weight[: self.config.vocab_size]                           # (V, d)
-    if h.ndim == 2 and h.shape[0] <= 32 and h.device.type == "cpu": logits = (W @ h.T).T.float()  # (n, V), a view
-    else: logits = F.linear(h, W).float()
+    logits = F.linear(h, self.lm_head.weight[: self.config.vocab_size]).float()   # (..., V)
     return self.softcap * torch.tanh(logits / self.softcap) if softcap else logits
 
-def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-    "Logits (B, T, vocab) without targets; else cross-entropy (ignore_index=-1) reduced by `loss_reduction`."
+def frozen_unembed(self: GPT):
+    "unembed(h, softcap=False) with the head as it is now, packed once for repeated use (stale after the weights change)."
+    head = PackedLinear(self.lm_head.weight[: self.config.vocab_size])
+    return lambda h: head(h).float()                                            # (b, d) -> (b, V)
+
+def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
+    "Logits (B, T, vocab) without targets; else cross-entropy (ignore_index=-1) reduced by `loss_reduction` (and entropies)."
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
     if targets is None: return self.unembed(h)
     if loss_reduction not in ("mean", "sum", "none"):
@@ -399,12 +427,14 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean"):
     flat_targets = targets.reshape(-1)                                          # (B*T,)
     keep = (flat_targets != -1).nonzero().squeeze(1)                           # (N,)
     h_kept = h.reshape(-1, h.size(-1)).index_select(0, keep)                   # (N, d)
-    losses = softcapped_nll(h_kept, self.lm_head.weight[: self.config.vocab_size], flat_targets.index_select(0, keep),
-                            self.softcap)                                       # (N,)
-    if loss_reduction == "mean": return losses.mean()
-    if loss_reduction == "sum": return losses.sum()
-    return losses.new_zeros(flat_targets.shape[0]).index_copy(0, keep, losses)
-GPT.unembed, GPT.forward = unembed, forward
+    losses, entropy = softcapped_nll(h_kept, self.lm_head.weight[: self.config.vocab_size], flat_targets.index_select(0, keep),
+                                     self.softcap, with_entropy=True)           # (N,), (N,)
+    if loss_reduction == "mean": loss = losses.mean()
+    elif loss_reduction == "sum": loss = losses.sum()
+    else: loss = losses.new_zeros(flat_targets.shape[0]).index_copy(0, keep, losses)
+    if not with_entropy: return loss
+    return loss, entropy.new_zeros(flat_targets.shape[0]).index_copy(0, keep, entropy)  # (B*T,) entropies
+GPT.unembed, GPT.frozen_unembed, GPT.forward = unembed, frozen_unembed, forward
 
 # %% ../nbs/02_model.ipynb #ed44e270
 def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):

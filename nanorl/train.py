@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'Config', 'resolve_preset', 'validate', 'build_parser', 'config_from_args',
            'autodetect_device_type', 'init_distributed', 'compute_dtype', 'autocast_for', 'lr_multiplier',
-           'sync_gradients', 'reduce_sums', 'step_normalizer', 'pass_entropy', 'backward_passes',
-           'use_sparse_embedding_grads', 'densify_grads', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir',
-           'check_writable', 'complete_steps', 'elastic_restarts', 'PolicyStart', 'load_policy', 'load_resume_point',
-           'NonFiniteError', 'train', 'param_fingerprint', 'main']
+           'sync_gradients', 'reduce_sums', 'step_normalizer', 'backward_passes', 'use_sparse_embedding_grads',
+           'densify_grads', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable', 'complete_steps',
+           'elastic_restarts', 'PolicyStart', 'load_policy', 'load_resume_point', 'NonFiniteError', 'train',
+           'param_fingerprint', 'main']
 
-# %% ../nbs/09_train.ipynb #90b29f80
+# %% ../nbs/09_train.ipynb #7de633a4
 import argparse, copy, dataclasses, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -25,8 +25,7 @@ from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_ch
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic
 from .advantages import ADVANTAGE_METHODS
-from .loss import (NORMALIZATIONS, count_trained, loss_normalizer, mean_entropy, pg_loss, shared_prefix_cache,
-                         shared_prefix_len, token_logp)
+from .loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss, token_logp
 from .evaluate import evaluate_pass_at_k
 
 # %% ../nbs/09_train.ipynb #6f58afcf
@@ -228,7 +227,7 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1: dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
-# %% ../nbs/09_train.ipynb #48e9631e
+# %% ../nbs/09_train.ipynb #2fe2d3bc
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
     counts = sum(count_trained((t != -1).cpu()) for t in targets_per_pass) if targets_per_pass else torch.zeros(2, dtype=torch.float64)
@@ -236,29 +235,20 @@ def step_normalizer(cfg, targets_per_pass, device, world_size):
     return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
                            num_microbatches=totals["passes"], max_len=cfg.max_new_tokens, world_size=world_size)
 
-def pass_entropy(model, inputs, targets, autocast, rows: int = 2) -> tuple[float, int]:
-    "(summed entropy of the policy's next-token distribution at the trained positions, their count) of a pass's first rows."
-    inputs, targets = inputs[:rows], targets[:rows]
-    P = shared_prefix_len(inputs, targets)
-    mask = targets[:, P:] != -1                                                # (b, T - P)
-    with torch.no_grad(), autocast:
-        h = model.hidden(inputs[:, P:], kv_cache=shared_prefix_cache(model, inputs, P))  # (b, T - P, d)
-    n = int(mask.sum())
-    return (mean_entropy(h, mask, unembed=model.unembed) * n if n else 0.0), n
-
 def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
-    "Forward and backward every pass; returns the summed loss, the sampled tokens' log-prob sum and their count."
-    loss_sum, logp_sum, tokens = 0.0, 0.0, 0
+    "Forward and backward every pass; returns the summed loss, the sampled tokens' log-prob and entropy sums, and their count."
+    loss_sum, logp_sum, entropy_sum, tokens = 0.0, 0.0, 0.0, 0
     for inputs, targets, rows in passes:
         mask = targets != -1                                                   # (b, T)
-        with autocast: logp = token_logp(model, inputs, targets)               # (b, T)
+        with autocast: logp, entropy = token_logp(model, inputs, targets, with_entropy=True)  # (b, T) each
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad(), autocast: ref_logp = token_logp(ref_model, inputs, targets)
         loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
         loss.backward()
         loss_sum += loss.item(); logp_sum += logp.detach()[mask].sum().item(); tokens += int(mask.sum())
-    return {"loss": loss_sum, "logp_sum": logp_sum, "tokens": tokens}
+        entropy_sum += entropy[mask].sum().item()
+    return {"loss": loss_sum, "logp_sum": logp_sum, "entropy_sum": entropy_sum, "tokens": tokens}
 
 # %% ../nbs/09_train.ipynb #21d878c2
 def use_sparse_embedding_grads(model):
@@ -490,7 +480,7 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #ef447ffc
+# %% ../nbs/09_train.ipynb #8cfb15d3
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
              rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
@@ -510,7 +500,6 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
         passes.append((inputs, targets, torch.tensor(rows)))
     normalizer = step_normalizer(cfg, [t for _, t, _ in passes], device, world)     # skipped passes count too
     if cfg.skip_zero_signal: passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
-    entropy_sum, entropy_tokens = pass_entropy(model, *passes[0][:2], autocast) if passes else (0.0, 0)
     stats = backward_passes(model, passes, scores.advantages.to(device), cfg, normalizer, autocast, ref_model)
     grad_norm = sync_and_step(model, optimizer, lrm, world)
     t3 = time.perf_counter()
@@ -518,11 +507,11 @@ def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pa
     sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(gen_lens),
                         "groups": len(indices), "zero_signal": scores.zero_signal.sum(), "tool_calls": batch.tool_calls,
                         "loss": stats["loss"], "logp": stats["logp_sum"], "tokens": stats["tokens"],
-                        "entropy": entropy_sum, "entropy_tokens": entropy_tokens,
+                        "entropy": stats["entropy_sum"],
                         **{f"reward_{k}": v for k, v in scores.terms.items()}}, device, world)
     rows = sums["rows"]
     return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / world,
-            "grad_norm": grad_norm, "entropy": sums["entropy"] / max(sums["entropy_tokens"], 1),
+            "grad_norm": grad_norm, "entropy": sums["entropy"] / max(sums["tokens"], 1),
             "sampled_nll": -sums["logp"] / max(sums["tokens"], 1),
             "zero_signal_frac": sums["zero_signal"] / sums["groups"], "tool_calls_per_sample": sums["tool_calls"] / rows,
             "lr": lrm * optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
