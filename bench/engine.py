@@ -4,12 +4,15 @@ Workloads (float32, randomly initialised nanochat-shaped models, vocab 32768, se
 - single prompt: 100-token prompt, 16 samples x 128 new tokens, temperature 1, top-k 50 (Engine.generate_batch);
 - the no-cache reference (reference_generate) on a shorter run, since it is quadratic;
 - RL rollout shape: 16 prompts x 16 samples x 128 tokens through one Engine.generate_many call, against an
-  emulation of nanochat's pattern (chat_rl: one prompt at a time, 8 rows per call -> 32 generate_batch calls).
+  emulation of nanochat's pattern (chat_rl: one prompt at a time, 8 rows per call -> 32 generate_batch calls; the
+  head through F.linear, as nanochat's lm_head, not the engine's oneDNN-packed head).
 min_new_tokens=128 suppresses <|assistant_end|>/<|bos|> so every row runs all 128 tokens on every side.
 """
 import argparse, platform, sys, time
 from datetime import datetime, timezone
 import torch
+
+import nanorl.model as M
 from nanorl.engine import Engine, reference_generate, sample_next_token, row_key
 from nanorl.model import GPT, GPTConfig
 
@@ -110,13 +113,16 @@ def main():
                     t_nc, all_nc = nanochat_engine_time(args.nanochat, model, tok, prompt, args.repeats)
                     print(f"d{depth} nanochat Engine (measured, same weights): {16 * 128 / t_nc:,.0f} tok/s ({t / t_nc:.2f} time ratio)")
             if not args.skip_rl:
-                N = args.rl_tokens
+                N, onednn = args.rl_tokens, M.ONEDNN_LINEAR
                 kw_rl = {**kw, "min_new_tokens": N}
                 prompts = [prompt_ids(80 + 3 * i, V, 100 + i) for i in range(16)]
                 total = 16 * 16 * N
                 def nanochat_pattern():
-                    for i, p in enumerate(prompts):
-                        for half in range(2): eng.generate_batch(p, 8, N, seed=2 * i + half, **kw_rl)
+                    M.ONEDNN_LINEAR = False                 # nanochat's lm_head is F.linear (MKL on CPU), not a packed head
+                    try:
+                        for i, p in enumerate(prompts):
+                            for half in range(2): eng.generate_batch(p, 8, N, seed=2 * i + half, **kw_rl)
+                    finally: M.ONEDNN_LINEAR = onednn
                 many_times, pat_times = [], []
                 for _ in range(args.rl_repeats):   # interleaved, so both sides see the same machine load
                     many_times.append(best_of(lambda: eng.generate_many(prompts, 16, N, seed=list(range(16)), **kw_rl), 1)[0])
