@@ -5,10 +5,11 @@
 # %% auto #0
 __all__ = ['CALC_ARITHMETIC_CHARS', 'CALC_STRING_CHARS', 'CALC_FORBIDDEN_WORDS', 'CALC_MAX_CHARS', 'CALC_MAX_NODES',
            'CALC_MAX_INT_DIGITS', 'CALC_MAX_INT_BITS', 'CALC_MAX_SECONDS', 'FAILED', 'M32', 'GREEDY_CANDIDATES',
-           'NOISE_CHUNK_ELEMENTS', 'calculator_language', 'use_calculator', 'sample_next_token', 'mix32', 'row_key',
-           'step_key', 'seeds_per_prompt', 'gumbel_noise', 'reference_generate', 'RowState', 'context_limit', 'Engine',
-           'softcap', 'raw_logits_fn', 'pick_tokens', 'sample_full_vocab', 'stop_ids', 'run_calculator', 'advance_row',
-           'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate', 'generate_many', 'generate_batch']
+           'PACK_MIN_TOKENS', 'NOISE_CHUNK_ELEMENTS', 'calculator_language', 'use_calculator', 'sample_next_token',
+           'mix32', 'row_key', 'step_key', 'seeds_per_prompt', 'gumbel_noise', 'reference_generate', 'RowState',
+           'context_limit', 'Engine', 'softcap', 'raw_logits_fn', 'pick_tokens', 'sample_full_vocab', 'stop_ids',
+           'run_calculator', 'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate',
+           'generate_many', 'generate_batch']
 
 # %% ../nbs/04_engine.ipynb #301f3865
 import ast, math, numbers, operator, string, time
@@ -305,18 +306,20 @@ def softcap(model, x):
     cap = getattr(model, "softcap", None)
     return cap * torch.tanh(x / cap) if cap else x
 
-def raw_logits_fn(model):
-    "h (b, d) -> raw logits (b, V) for one generate call: the model's frozen_unembed if it has one, else unembed."
-    if hasattr(model, "frozen_unembed"): return model.frozen_unembed()
+PACK_MIN_TOKENS = 8  # shorter generate calls: packing the head costs more than it saves
+
+def raw_logits_fn(model, max_tokens):
+    "h (b, d) -> raw logits (b, V) for one generate call: the model's frozen_unembed if it has one and the call is long enough."
+    if hasattr(model, "frozen_unembed") and max_tokens >= PACK_MIN_TOKENS: return model.frozen_unembed()
     return lambda h: model.unembed(h, softcap=False)
 
 NOISE_CHUNK_ELEMENTS = 1 << 21  # full-vocabulary sampling: at most this many (row, token) noise values at a time
 
 @torch.no_grad()
 def pick_tokens(self, raw, keys, step, temperature=1.0, top_k=None, suppress_stop=False):
-    "Next token id (b,) from raw logits (b, V): greedy, or Gumbel-max over the top_k candidates with per-row noise."
+    "Next token id (b,) from raw (not softcapped) logits (b, V): greedy, or Gumbel-max over the top_k candidates with per-row noise."
     V = raw.size(-1)
-    if suppress_stop: raw[:, sorted(self.stop_tokens)] = float("-inf")
+    if suppress_stop: raw = raw.index_fill(-1, self.stop_ids(raw.device), float("-inf"))  # (b, V), the input untouched
     if temperature == 0:
         vals, idx = raw.topk(min(GREEDY_CANDIDATES, V), dim=-1)                         # (b, 8)
         capped = softcap(self.model, vals)
@@ -416,7 +419,7 @@ def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, see
     if max_tokens == 0: return
     cache = _new_cache(model, n_rows, max(len(p) for p in prompts) + max_tokens)
     h = self.prefill(prompts, num_samples, cache)                                        # (B, d)
-    logits = raw_logits_fn(model)                                                       # the head, frozen for this call
+    logits = raw_logits_fn(model, max_tokens)                                           # the head, frozen for this call
     keys = torch.tensor([row_key(s, j) for s in seeds for j in range(num_samples)], dtype=torch.long, device=device)
     states = [RowState() for _ in range(n_rows)]
     rows = list(range(n_rows))               # original row of each batch row (-1: finished and retired)

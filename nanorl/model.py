@@ -345,16 +345,21 @@ GPT._cache_context, GPT._smear, GPT.hidden = _cache_context, _smear, hidden
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
 
 class PackedLinear:
-    "x @ W.T with a snapshot of W (out, in) reordered once for oneDNN (float32 on a CPU); F.linear otherwise."
+    "x @ W.T with W (out, in) reordered once for oneDNN (float32 on a CPU, no gradient); F.linear otherwise. Valid until W changes."
     def __init__(self, weight: torch.Tensor):
         self.weight, self.packed = weight.detach(), None
-        if ONEDNN_LINEAR and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+        if (ONEDNN_LINEAR and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled("cpu")
+                and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
             try: self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
             except RuntimeError: self.packed = None                              # this build or CPU can't: F.linear
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         "(..., in) -> (..., out)."
-        if self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"): return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if (self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+                or (torch.is_grad_enabled() and x.requires_grad)): return F.linear(x, self.weight)
+        try: return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        except RuntimeError:                                                    # refused at call time: F.linear from now on
+            self.packed = None
+            return F.linear(x, self.weight)
 
 # %% ../nbs/02_model.ipynb #c7fdaa3c
 PACK_MIN_ROWS = 64  # fewer rows than this: reordering the head for oneDNN costs more than it saves
@@ -413,12 +418,13 @@ def unembed(self: GPT, h, softcap=True):
     return self.softcap * torch.tanh(logits / self.softcap) if softcap else logits
 
 def frozen_unembed(self: GPT):
-    "unembed(h, softcap=False) with the head as it is now, packed once for repeated use (stale after the weights change)."
+    "unembed(h, softcap=False) with the head as it is now, packed once for repeated use (valid until the weights change)."
     head = PackedLinear(self.lm_head.weight[: self.config.vocab_size])
     return lambda h: head(h).float()                                            # (b, d) -> (b, V)
 
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
-    "Logits (B, T, vocab) without targets; else cross-entropy (ignore_index=-1) reduced by `loss_reduction` (and entropies)."
+    "Logits (B, T, vocab) without targets; else cross-entropy (ignore_index=-1) reduced by `loss_reduction`, and with_entropy the per-position entropies (B*T,)."
+    if targets is None and with_entropy: raise ValueError("with_entropy needs targets: the entropy comes with the loss")
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
     if targets is None: return self.unembed(h)
     if loss_reduction not in ("mean", "sum", "none"):

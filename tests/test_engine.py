@@ -294,3 +294,26 @@ def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, pro
     cols = [c for c, _ in eng.generate(prompt, min_new_tokens=6, **kw)]
     assert not any(t in stops for c in cols[:6] for t in c) and any(t in stops for t in cols[6])
     assert (seqs, masks) == reference_generate(model, tok, prompt, min_new_tokens=6, **kw)
+
+# ---------------------------------------------------------------- the packed head
+def test_frozen_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch):
+    import nanorl.engine as engine
+    model = load_fixture_model("head")
+    h = torch.randn(5, model.config.n_embd)
+    with torch.no_grad(): assert torch.allclose(model.frozen_unembed()(h), model.unembed(h, softcap=False), atol=1e-4)
+    packs = []
+    real = GPT.frozen_unembed
+    monkeypatch.setattr(GPT, "frozen_unembed", lambda self: packs.append(1) or real(self))
+    eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
+    eng.generate_batch(prompt, 2, engine.PACK_MIN_TOKENS - 1, seed=1)
+    assert packs == []                                                   # too short to pay for packing
+    eng.generate_batch(prompt, 2, engine.PACK_MIN_TOKENS, seed=1)
+    assert packs == [1]                                                  # once per generate call
+
+def test_pick_tokens_leaves_its_input_alone(tok, tool_model):
+    eng = Engine(tool_model, tok)
+    raw = torch.randn(3, tok.get_vocab_size())
+    before = raw.clone()
+    eng.pick_tokens(raw, torch.arange(3), 0, 1.0, 50, suppress_stop=True)
+    eng.pick_tokens(raw, torch.arange(3), 0, 1.0, None, suppress_stop=True)
+    assert torch.equal(raw, before)
