@@ -250,7 +250,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         entropy_sum += entropy[mask].sum().item()
     return {"loss": loss_sum, "logp_sum": logp_sum, "entropy_sum": entropy_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #21d878c2
+# %% ../nbs/09_train.ipynb #834cc790
 def use_sparse_embedding_grads(model):
     "Make every embedding table return sparse gradients (only the rows a pass used)."
     for m in model.modules():
@@ -265,6 +265,8 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
     densify_grads(params)
+    for p in params:                      # every pass skipped (--skip-zero-signal): a zero gradient, as without the flag
+        if p.grad is None: p.grad = torch.zeros_like(p)
     sync_gradients(params, world_size)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
     if math.isfinite(grad_norm):

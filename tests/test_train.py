@@ -147,6 +147,18 @@ def test_skip_zero_signal_gives_the_same_update(tmp_path, baseline):
     assert all(torch.equal(w[k], baseline[1][k]) for k in w)
 
 
+def test_skip_zero_signal_when_every_group_is_skipped(tmp_path):
+    "A step whose every pass is skipped still steps the optimizers (zero gradients: decay, momentum): the same weights as without the flag."
+    runs = {}
+    for skip in (False, True):
+        base = base_dir(tmp_path, f"zero{int(skip)}")
+        recs = train(small_config(base, task="toy_task:make_zero_tasks", num_steps=2, weight_decay=0.1, skip_zero_signal=skip))
+        assert all(r["zero_signal_frac"] == 1 and r["loss"] == 0 for r in recs)
+        runs[skip] = run_weights(base)
+    assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False])
+    assert max_change(runs[False], load_fixture()) > 0, "weight decay should move the weights even without signal"
+
+
 def test_cosine_schedule_and_logged_lr(tmp_path):
     "The logged lr is the lm_head group's base rate x init_lr_frac x the schedule, for linear and cosine."
     from nanorl.model import GPT  # noqa: F401  (setup_optimizers is patched onto GPT)

@@ -36,3 +36,13 @@ def make_nan_step1_tasks(cfg):
 def make_all_nan_tasks(cfg):
     "Every reward is nan."
     return NanToyTask(), ToyTask()
+
+
+class ZeroToyTask(ToyTask):
+    "The toy task with every reward 0: every group has no signal."
+    def reward(self, conversation, completion): return 0.0
+
+
+def make_zero_tasks(cfg):
+    "Every reward is 0."
+    return ZeroToyTask(), ToyTask()
