@@ -199,12 +199,10 @@ def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
     frac = min(step / num_steps, 1.0)
     return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
 
-# %% ../nbs/09_train.ipynb #3c716e6e
+# %% ../nbs/09_train.ipynb #ad5fdfec
 def sync_gradients(params, world_size: int):
-    "Average gradients over all ranks in place (parameters without a gradient count as zero)."
+    "Average the gradients of `params` (every one set, see `sync_and_step`) over all ranks, in place."
     if world_size == 1: return
-    for p in params:
-        if p.grad is None: p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world_size
@@ -250,7 +248,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         entropy_sum += entropy[mask].sum().item()
     return {"loss": loss_sum, "logp_sum": logp_sum, "entropy_sum": entropy_sum, "tokens": tokens}
 
-# %% ../nbs/09_train.ipynb #834cc790
+# %% ../nbs/09_train.ipynb #bc63054b
 def use_sparse_embedding_grads(model):
     "Make every embedding table return sparse gradients (only the rows a pass used)."
     for m in model.modules():
@@ -265,7 +263,7 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
     densify_grads(params)
-    for p in params:                      # every pass skipped (--skip-zero-signal): a zero gradient, as without the flag
+    for p in params:                      # no gradient (every pass skipped, or a rank without rows): zero, as without the flag
         if p.grad is None: p.grad = torch.zeros_like(p)
     sync_gradients(params, world_size)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
