@@ -7,13 +7,14 @@ __all__ = ['CALC_ARITHMETIC_CHARS', 'CALC_STRING_CHARS', 'CALC_FORBIDDEN_WORDS',
            'CALC_MAX_INT_DIGITS', 'CALC_MAX_INT_BITS', 'CALC_MAX_SECONDS', 'FAILED', 'M32', 'GREEDY_CANDIDATES',
            'PACK_MIN_TOKENS', 'NOISE_CHUNK_ELEMENTS', 'calculator_language', 'use_calculator', 'sample_next_token',
            'mix32', 'row_key', 'step_key', 'seeds_per_prompt', 'gumbel_noise', 'reference_generate', 'RowState',
-           'context_limit', 'Engine', 'softcap', 'raw_logits_fn', 'pick_tokens', 'sample_full_vocab', 'stop_ids',
-           'run_calculator', 'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps', 'generate',
-           'generate_many', 'generate_batch']
+           'context_limit', 'Engine', 'softcap', 'raw_logits_fn', 'packed_for_call', 'pick_tokens', 'sample_full_vocab',
+           'stop_ids', 'run_calculator', 'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps',
+           'generate', 'generate_many', 'generate_batch']
 
 # %% ../nbs/04_engine.ipynb #301f3865
 import ast, math, numbers, operator, string, time
 from collections import deque
+from contextlib import nullcontext
 import torch, torch.nn.functional as F
 from .model import KVCache
 
@@ -313,6 +314,11 @@ def raw_logits_fn(model, max_tokens):
     if hasattr(model, "frozen_unembed") and max_tokens >= PACK_MIN_TOKENS: return model.frozen_unembed()
     return lambda h: model.unembed(h, softcap=False)
 
+def packed_for_call(model, max_tokens):
+    "The model's `packed_weights` block for a generate call of `max_tokens` (PACK_MIN_TOKENS or more) where it has one, else nothing."
+    if hasattr(model, "packed_weights") and max_tokens >= PACK_MIN_TOKENS: return model.packed_weights()
+    return nullcontext()
+
 NOISE_CHUNK_ELEMENTS = 1 << 21  # full-vocabulary sampling: at most this many (row, token) noise values at a time
 
 @torch.no_grad()
@@ -410,9 +416,14 @@ def prefill(self, prompts, num_samples, cache):
 Engine.prefill = prefill
 
 # %% ../nbs/04_engine.ipynb #cc21dab3
-@torch.no_grad()
 def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens=0):
-    "The decoding loop; yields (row ids, token column, mask column) per step. With `retire`, finished rows get id -1 and leave the batch."
+    "The decoding loop, inside the model's packed-weights block for long enough calls; yields (row ids, token column, mask column) per step."
+    with packed_for_call(self.model, max_tokens):
+        yield from self._decode_steps(prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens)
+
+@torch.no_grad()
+def _decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens=0):
+    "`decode_steps` without the block. With `retire`, finished rows get id -1 and leave the batch."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples
     stats = self.last_stats = new_stats(len(prompts), n_rows)
@@ -459,7 +470,7 @@ def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, see
         h = model.hidden(x.view(-1, 1), kv_cache=cache)[:, -1]                          # (b, d)
         stats["decode_steps"] += 1; stats["forward_rows"] += len(rows)
     stats["generated_tokens"] = stats["sampled_tokens"] + stats["forced_tokens"]
-Engine.decode_steps = decode_steps
+Engine.decode_steps, Engine._decode_steps = decode_steps, _decode_steps
 
 # %% ../nbs/04_engine.ipynb #ca00eba6
 def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):

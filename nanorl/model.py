@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'ONEDNN_LINEAR',
            'PACK_MIN_ROWS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes',
-           'has_value_embed', 'attention_mask', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'PackedLinear',
-           'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache', 'MultiOptimizer']
+           'has_value_embed', 'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT',
+           'PackedLinear', 'linear_forward', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache',
+           'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -116,6 +118,15 @@ def attention_mask(q_pos, k_len, window):
     return keep
 
 # %% ../nbs/02_model.ipynb #3e6d1572
+class Linear(nn.Linear):
+    "nn.Linear without a bias, for the model's weight matrices; `GPT.packed_weights` (below) makes its calls without a gradient faster on a CPU."
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+        self.pack = None                                                        # a PackedLinear inside packed_weights
+    def __getstate__(self):
+        "Deep copies and pickles leave a packed copy behind."
+        return {**self.__dict__, "pack": None}
+
 class CausalSelfAttention(nn.Module):
     "Multi-head attention with GQA, rotary, QK-norm, optional value embedding and sliding window."
     def __init__(self, config, layer_idx):
@@ -123,10 +134,10 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx, self.n_head, self.n_kv_head, self.head_dim = layer_idx, config.n_head, config.n_kv_head, config.head_dim
         self.qk_scale = config.arch.qk_scale
         d, hd = config.n_embd, config.head_dim
-        self.c_q = nn.Linear(d, self.n_head * hd, bias=False)
-        self.c_k = nn.Linear(d, self.n_kv_head * hd, bias=False)
-        self.c_v = nn.Linear(d, self.n_kv_head * hd, bias=False)
-        self.c_proj = nn.Linear(d, d, bias=False)
+        self.c_q = Linear(d, self.n_head * hd)
+        self.c_k = Linear(d, self.n_kv_head * hd)
+        self.c_v = Linear(d, self.n_kv_head * hd)
+        self.c_proj = Linear(d, d)
         use_ve = config.arch.value_embeds and has_value_embed(layer_idx, config.n_layer)
         self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if use_ve else None
 
@@ -164,8 +175,8 @@ class MLP(nn.Module):
     "c_proj(relu(c_fc(x))^2), hidden width 4 * n_embd."
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
     def forward(self, x):
         "(B, T, d) -> (B, T, d) through the squared-ReLU hidden layer."
         return self.c_proj(F.relu(self.c_fc(x)).square())
@@ -241,7 +252,7 @@ class GPT(nn.Module):
         V, d = config.padded_vocab_size, config.n_embd
         kv_dim = config.n_kv_head * config.head_dim
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(V, d), h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)])))
-        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head = Linear(d, V)
         if arch.lambdas:
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
@@ -361,15 +372,31 @@ class PackedLinear:
             self.packed = None
             return F.linear(x, self.weight)
 
+def linear_forward(self: Linear, x):
+    "x @ W.T: through the packed copy inside `GPT.packed_weights` where no gradient is wanted, else `F.linear`."
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+    return self.pack(x) if self.pack is not None and not wants_grad else F.linear(x, self.weight)
+Linear.forward = linear_forward
+
+@contextmanager
+def packed_weights(self: GPT):
+    "A block in which calls without a gradient of the weight matrices and the head use copies packed on entry; the weights must not change inside."
+    opened = [m for m in self.modules() if isinstance(m, Linear) and m.pack is None]   # an outer block's copies stay
+    for m in opened: m.pack = PackedLinear(m.weight[: self.config.vocab_size] if m is self.lm_head else m.weight)
+    try: yield self
+    finally:
+        for m in opened: m.pack = None
+GPT.packed_weights = packed_weights
+
 # %% ../nbs/02_model.ipynb #c7fdaa3c
 PACK_MIN_ROWS = 64  # fewer rows than this: reordering the head for oneDNN costs more than it saves
 
 class SoftcappedNLL(torch.autograd.Function):
     "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, with the gradient formed in the forward pass."
     @staticmethod
-    def forward(ctx, h, weight, targets, softcap, chunk_rows):
+    def forward(ctx, h, weight, targets, softcap, chunk_rows, packed):
         N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
-        head = PackedLinear(weight) if N >= PACK_MIN_ROWS else (lambda x: F.linear(x, weight))
+        head = packed or (PackedLinear(weight) if N >= PACK_MIN_ROWS else (lambda x: F.linear(x, weight)))
         nll, entropy, dz = [], [], None                                         # dz (N, V): a quarter of d nll / d z
         for s in range(0, N, chunk_rows):
             z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
@@ -399,16 +426,16 @@ class SoftcappedNLL(torch.autograd.Function):
         g = 4 * grad_nll[:, None]                                               # (N, 1); 4: dz holds a quarter
         grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
         grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
-        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None
+        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None, None
 
-def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False):
-    "Per-row -log p(target) (N,), float32 or wider, for h (N, d), unembedding weight (V, d), targets (N,); and the entropy."
+def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False, packed=None):
+    "Per-row -log p(target) (N,), float32 or wider, for h (N, d), unembedding weight (V, d), targets (N,); and the entropy. `packed`: a PackedLinear of weight to use (else one is made for N >= PACK_MIN_ROWS)."
     if h.ndim != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
     if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
         budget = 2**22 if h.device.type == "cpu" else 2**28
         chunk_rows = max(1, budget // weight.shape[0])
-    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows))
+    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows), packed)
     return (nll, entropy) if with_entropy else nll
 
 # %% ../nbs/02_model.ipynb #47da1254
@@ -418,8 +445,8 @@ def unembed(self: GPT, h, softcap=True):
     return self.softcap * torch.tanh(logits / self.softcap) if softcap else logits
 
 def frozen_unembed(self: GPT):
-    "unembed(h, softcap=False) with the head as it is now, packed once for repeated use (valid until the weights change)."
-    head = PackedLinear(self.lm_head.weight[: self.config.vocab_size])
+    "unembed(h, softcap=False) through a packed head (the block's inside `packed_weights`), for repeated calls while the weights stay the same."
+    head = self.lm_head.pack or PackedLinear(self.lm_head.weight[: self.config.vocab_size])
     return lambda h: head(h).float()                                            # (b, d) -> (b, V)
 
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
@@ -434,7 +461,7 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     keep = (flat_targets != -1).nonzero().squeeze(1)                           # (N,)
     h_kept = h.reshape(-1, h.size(-1)).index_select(0, keep)                   # (N, d)
     losses, entropy = softcapped_nll(h_kept, self.lm_head.weight[: self.config.vocab_size], flat_targets.index_select(0, keep),
-                                     self.softcap, with_entropy=True)           # (N,), (N,)
+                                     self.softcap, with_entropy=True, packed=self.lm_head.pack)  # (N,), (N,)
     if loss_reduction == "mean": loss = losses.mean()
     elif loss_reduction == "sum": loss = losses.sum()
     else: loss = losses.new_zeros(flat_targets.shape[0]).index_copy(0, keep, losses)

@@ -491,27 +491,28 @@ def _train(cfg, rank, world, device):
     log.close()
     return log.records() if master else []
 
-# %% ../nbs/09_train.ipynb #f0551aad
+# %% ../nbs/09_train.ipynb #16d1e26e
 def _rl_step(cfg, step, model, ref_model, optimizer, engine, tokenizer, task, pad_id, autocast, rank, world, device, lrm,
              rollout_rows) -> dict:
     "Sample, score and learn from one step's problems; returns this step's metrics."
     t0 = time.perf_counter()
     indices = step_examples(step, cfg.examples_per_step, len(task), rank, world)
-    model.eval()
-    with autocast:
-        batch = rollout(engine, tokenizer, task, indices, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                        sample_seeds(cfg.seed, step, indices), rollout_rows)
-    model.train()
-    t1 = time.perf_counter()
-    scores = score(tokenizer, task, indices, batch, cfg.num_samples, cfg.advantage)
-    t2 = time.perf_counter()
-    passes = []
-    for rows in microbatches(len(indices), cfg.num_samples, cfg.device_batch_size):
-        inputs, targets = collate([batch.sequences[r] for r in rows], [batch.masks[r] for r in rows], pad_id, device)
-        passes.append((inputs, targets, torch.tensor(rows)))
-    normalizer = step_normalizer(cfg, [t for _, t, _ in passes], device, world)     # skipped passes count too
-    if cfg.skip_zero_signal: passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
-    stats = backward_passes(model, passes, scores.advantages.to(device), cfg, normalizer, autocast, ref_model)
+    with model.packed_weights():  # fixed weights until the optimizer step: each matrix packed once for rollout and loss
+        model.eval()
+        with autocast:
+            batch = rollout(engine, tokenizer, task, indices, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
+                            sample_seeds(cfg.seed, step, indices), rollout_rows)
+        model.train()
+        t1 = time.perf_counter()
+        scores = score(tokenizer, task, indices, batch, cfg.num_samples, cfg.advantage)
+        t2 = time.perf_counter()
+        passes = []
+        for rows in microbatches(len(indices), cfg.num_samples, cfg.device_batch_size):
+            inputs, targets = collate([batch.sequences[r] for r in rows], [batch.masks[r] for r in rows], pad_id, device)
+            passes.append((inputs, targets, torch.tensor(rows)))
+        normalizer = step_normalizer(cfg, [t for _, t, _ in passes], device, world)     # skipped passes count too
+        if cfg.skip_zero_signal: passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
+        stats = backward_passes(model, passes, scores.advantages.to(device), cfg, normalizer, autocast, ref_model)
     grad_norm = sync_and_step(model, optimizer, lrm, world)
     t3 = time.perf_counter()
     gen_lens = [len(s) - len(batch.prompts[r // cfg.num_samples]) for r, s in enumerate(batch.sequences)]

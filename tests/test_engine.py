@@ -310,6 +310,21 @@ def test_frozen_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch
     eng.generate_batch(prompt, 2, engine.PACK_MIN_TOKENS, seed=1)
     assert packs == [1]                                                  # once per generate call
 
+def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
+    model = load_fixture_model("head")
+    mlp = model.transformer.h[0].mlp.c_fc
+    seen = []
+    real = Engine.pick_tokens
+    monkeypatch.setattr(Engine, "pick_tokens", lambda self, *a, **k: seen.append(mlp.pack is not None) or real(self, *a, **k))
+    eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
+    packed = eng.generate_batch(prompt, 2, 12, seed=3)
+    assert seen and all(seen) and mlp.pack is None                       # packed during the call, dropped after it
+    seen.clear()
+    with torch.backends.mkldnn.flags(enabled=False):                     # the same call on F.linear: the same tokens
+        assert eng.generate_batch(prompt, 2, 12, seed=3) == packed
+    eng.generate_batch(prompt, 2, 4, seed=3)
+    assert seen and not any(seen[-4:])                                   # too short: no block
+
 def test_pick_tokens_leaves_its_input_alone(tok, tool_model):
     eng = Engine(tool_model, tok)
     raw = torch.randn(3, tok.get_vocab_size())
