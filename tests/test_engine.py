@@ -319,11 +319,11 @@ def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
     packed = eng.generate_batch(prompt, 2, 12, seed=3)
     assert seen and all(seen) and mlp.pack is None                       # packed during the call, dropped after it
-    seen.clear()
     with torch.backends.mkldnn.flags(enabled=False):                     # the same call on F.linear: the same tokens
         assert eng.generate_batch(prompt, 2, 12, seed=3) == packed
+    seen.clear()
     eng.generate_batch(prompt, 2, 4, seed=3)
-    assert seen and not any(seen[-4:])                                   # too short: no block
+    assert seen and not any(seen)                                        # too short: no block
 
 def test_pick_tokens_leaves_its_input_alone(tok, tool_model):
     eng = Engine(tool_model, tok)
