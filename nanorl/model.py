@@ -4,7 +4,9 @@
 
 # %% ../nbs/02_model.ipynb #e9836ee2
 from __future__ import annotations
+import functools
 import math
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,10 +16,10 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'ONEDNN_LINEAR',
-           'PACK_MIN_ROWS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes',
-           'has_value_embed', 'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT',
-           'PackedLinear', 'linear_forward', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache',
-           'MultiOptimizer']
+           'PACK_MIN_ROWS', 'NS_COEFFICIENTS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary',
+           'window_sizes', 'has_value_embed', 'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block',
+           'KVCache', 'GPT', 'PackedLinear', 'linear_forward', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll',
+           'GraphKVCache', 'newton_schulz', 'matmul_seconds', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -506,6 +508,76 @@ class GraphKVCache:
         "Keep the last position of x (B, T, d) for the next forward's smear, gradient included."
         self.prev_embedding = x[:, -1:]
 
+# %% ../nbs/02_model.ipynb #95b1028e
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of Muon's quintic iteration
+
+def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
+    "The orthogonal factor U V^T of `G = U S V^T`, approximately: Muon's quintic iteration, computed in `dtype`."
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(dtype)
+    tall = G.size(0) > G.size(1)
+    if tall:
+        X = X.T                                       # (m, n) with m <= n: the Gram matrix is the smaller one
+    X = X / X.norm().clamp(min=eps)                   # Frobenius norm >= largest singular value
+    for _ in range(steps):
+        A = X @ X.T                                   # (m, m)
+        B = torch.addmm(A, A, A, beta=b, alpha=c)     # b A + c A^2
+        X = torch.addmm(X, B, X, beta=a)              # a X + b A X + c A^2 X
+    return X.T if tall else X
+
+# %% ../nbs/02_model.ipynb #c66d8a47
+def matmul_seconds(dtype, n=128, k=512, repeats=3):
+    "Best time of one (n, k) @ (k, n) product in `dtype` on the CPU, after a warm-up."
+    x = torch.randn(n, k).to(dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        x @ x.T
+        if i > 0:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+@functools.cache
+def fast_matmul_dtype(device_type: str) -> torch.dtype:
+    "bfloat16 where this machine multiplies it faster than float32 (CUDA with bf16, CPUs with native bf16), else float32."
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device_type != "cpu":
+        return torch.float32
+    faster = matmul_seconds(torch.bfloat16) < matmul_seconds(torch.float32)
+    return torch.bfloat16 if faster else torch.float32
+
+# %% ../nbs/02_model.ipynb #97676b73
+class Muon(torch.optim.Optimizer):
+    "Nesterov momentum, then each matrix's update orthogonalized by Newton-Schulz: torch.optim.Muon's algorithm."
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5, ns_dtype=None):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps)
+        super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype  # None: fast_matmul_dtype of each parameter's device
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon updates matrices only, found a parameter of shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self):
+        "One update of every matrix that has a gradient."
+        for group in self.param_groups:
+            lr, m = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - m)                                     # buf = m buf + (1 - m) grad
+                update = p.grad.lerp(buf, m) if group["nesterov"] else buf   # Nesterov: look one step ahead
+                dtype = self.ns_dtype or fast_matmul_dtype(p.device.type)
+                update = newton_schulz(update, group["ns_steps"], dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+
 # %% ../nbs/02_model.ipynb #0ff03cf5
 class MultiOptimizer:
     "Several torch optimizers stepped as one, with a single flat `param_groups` list (for LR schedules)."
@@ -553,8 +625,7 @@ def setup_optimizers(self: GPT, unembedding_lr=0.004, embedding_lr=0.2, matrix_l
     if covered != len(named):
         raise ValueError(f"optimizer groups cover {covered} parameters, the model has {len(named)}")
     adamw = torch.optim.AdamW(adam_groups, lr=embedding_lr, eps=adam_eps, fused=True)  # one kernel per group: ~15x faster on CPU
-    muon = torch.optim.Muon(muon_groups, lr=matrix_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True,
-                            adjust_lr_fn="original")
+    muon = Muon(muon_groups, lr=matrix_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True)
     opt = MultiOptimizer([adamw, muon])
     for group in opt.param_groups: group["initial_lr"] = group["lr"]
     return opt

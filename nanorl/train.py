@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from .rollout import collate, halve_after_oom, microbatches, rollout, sample_seeds, score, step_examples
 from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_checkpoint, load_model, load_resume_state, save_checkpoint
+from .model import fast_matmul_dtype
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic
 from .advantages import ADVANTAGE_METHODS
@@ -185,7 +186,12 @@ def init_distributed(device_type: str = ""):
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     "bfloat16 on CUDA GPUs that support it (as nanochat), float32 elsewhere, unless set."
-    if cfg.dtype != "auto": return getattr(torch, cfg.dtype)
+    if cfg.dtype != "auto":
+        dtype = getattr(torch, cfg.dtype)
+        if device.type == "cpu" and dtype == torch.bfloat16 and fast_matmul_dtype("cpu") != dtype:
+            warnings.warn("--dtype bfloat16: this CPU has no native bf16 arithmetic, so every bf16 matmul is emulated "
+                          "(tens of times slower than float32); --dtype auto uses float32 here")
+        return dtype
     ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.bfloat16 if ok else torch.float32
 
