@@ -1,16 +1,25 @@
-"""Engine throughput on CPU (run by hand): python bench/engine.py [--depths 4 8] [--repeats 3] [--nanochat PATH].
+"""Engine throughput on CPU (run by hand): python bench/engine.py [--depths 4 8] [--repeats 3] [--vs-nanochat].
 
-Workloads (float32, randomly initialised nanochat-shaped models, vocab 32768, sequence_len 2048):
+`--vs-nanochat` is the yardstick: nanochat's own Engine (its harness script, under its own Python; see
+`nanochat_peer.py`) and nanorl's Engine on the same random d4 weights written by nanochat's code and the same
+100-token prompt, 16 samples x 128 tokens, temperature 1, top-k 50, in alternating fresh processes. nanochat's side
+never samples its stop or tool tokens, nanorl's suppresses stops with min_new_tokens=128: every row runs 128 tokens.
+
+Without it, nanorl's own workloads (float32, randomly initialised nanochat-shaped models, vocab 32768, sequence_len 2048):
 - single prompt: 100-token prompt, 16 samples x 128 new tokens, temperature 1, top-k 50 (Engine.generate_batch);
 - the no-cache reference (reference_generate) on a shorter run, since it is quadratic;
-- RL rollout shape: 16 prompts x 16 samples x 128 tokens through one Engine.generate_many call, against an
-  emulation of nanochat's pattern (chat_rl: one prompt at a time, 8 rows per call -> 32 generate_batch calls; the
-  head through F.linear, as nanochat's lm_head, not the engine's oneDNN-packed head).
+- RL rollout shape: 16 prompts x 16 samples x 128 tokens through one Engine.generate_many call, against chat_rl's
+  calling pattern run on nanorl's own engine (one prompt at a time, 8 rows per call -> 32 generate_batch calls, the
+  head through F.linear): what batching across prompts buys, not a measurement of nanochat.
 min_new_tokens=128 suppresses <|assistant_end|>/<|bos|> so every row runs all 128 tokens on every side.
 """
-import argparse, platform, sys, time
+import argparse, json, platform, statistics, subprocess, sys, time
 from datetime import datetime, timezone
+from pathlib import Path
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nanochat_peer import add_peer_args, base_dir, cpu_label, last_json, peer_env, run_peer
 
 import nanorl.model as M
 from nanorl.engine import Engine, reference_generate, sample_next_token, row_key
@@ -63,30 +72,61 @@ def decode_step_times(model, eng, rows, repeats=15):
             t = time.perf_counter(); f(); times[k].append(time.perf_counter() - t)
     return {k: min(v) for k, v in times.items()}
 
-def nanochat_engine_time(path, model, tok, prompt, repeats):
-    "Time nanochat's own Engine.generate_batch on the same weights (needs a nanochat checkout at `path`)."
-    sys.path.insert(0, path)
-    from nanochat.gpt import GPT as NGPT, GPTConfig as NConfig
-    from nanochat.engine import Engine as NEngine
-    c = model.config
-    with torch.device("meta"): ng = NGPT(NConfig(**c.nanochat_dict()))
-    ng.to_empty(device="cpu"); ng.init_weights(); ng.load_state_dict(model.state_dict(), strict=True); ng.eval()
-    eng = NEngine(ng, tok)
-    run = lambda: eng.generate_batch(prompt, num_samples=16, max_tokens=128, temperature=1.0, top_k=50, seed=0)
-    return best_of(run, repeats)
+def nanorl_side(args):
+    "nanorl's half of --vs-nanochat, in its own process: generate_batch on the base dir's d4 and nanochat's prompt."
+    import os
+    os.environ["NANOCHAT_BASE_DIR"] = str(args.nanorl_side)
+    from nanorl.checkpoint import load_model
+    model, tok, _ = load_model("sft", "cpu", model_tag="d4", step=0)
+    ref = Path(args.nanorl_side) / "chatsft_checkpoints" / "d4" / "reference_000000.pt"
+    prefix = torch.load(ref, weights_only=True)["prefix"]                      # the prompt nanochat's side uses
+    eng, kw = Engine(model, tok), dict(temperature=1.0, top_k=50, min_new_tokens=128)
+    with torch.inference_mode():
+        eng.generate_batch(prefix, 16, 128, seed=0, **kw)                         # warm-up, as nanochat's side
+        times = []
+        for i in range(args.repeats):
+            t = time.perf_counter(); eng.generate_batch(prefix, 16, 128, seed=42 + i, **kw)
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"tok_s": [16 * 128 / t for t in times], "prefix": len(prefix)}))
+
+def vs_nanochat(args):
+    "One prompt x 16 samples x 128 tokens: nanochat's Engine and nanorl's on the same weights, alternating processes."
+    base = base_dir(args)
+    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_label()} | isa {args.isa} | {args.threads} threads",
+          flush=True)
+    best = {"nanochat": [], "nanorl": []}
+    for _ in range(args.rounds):
+        nc = run_peer(args, "nanochat_engine_bench.py", "--nanochat-root", args.nanochat_src, "--ckpt-dir", base,
+                      "--depths", 4, "--modes", "raw", "--runs", args.repeats, "--threads", args.threads)
+        runs = [r["tok_s"] for r in nc["models"]["d4"]["raw"]["runs"]]
+        cmd = [sys.executable, __file__, "--nanorl-side", str(base), "--repeats", str(args.repeats)]
+        ours = last_json(subprocess.run(cmd, check=True, capture_output=True, text=True, env=peer_env(args)).stdout)
+        best["nanochat"].append(max(runs)); best["nanorl"].append(max(ours["tok_s"]))
+        print(f"nanochat Engine {[round(x) for x in runs]} tok/s | nanorl Engine {[round(x) for x in ours['tok_s']]} tok/s",
+              flush=True)
+    nc, ours = statistics.median(best["nanochat"]), statistics.median(best["nanorl"])
+    print(f"best run per round, median over {args.rounds} rounds: nanochat {nc:,.0f} tok/s, nanorl {ours:,.0f} tok/s: "
+          f"{ours / nc:.2f}x")
+    print(json.dumps({"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), "nanochat_tok_s": nc,
+                      "nanorl_tok_s": ours, "ratio": ours / nc}))
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference-tokens", type=int, default=32, help="new tokens per row for the (quadratic) no-cache reference")
     ap.add_argument("--skip-rl", action="store_true")
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--rl-repeats", type=int, default=1)
     ap.add_argument("--rl-tokens", type=int, default=128, help="new tokens per row for the RL-shape comparison")
-    ap.add_argument("--nanochat", default=None, help="path to a nanochat checkout: also time its Engine on the same weights")
+    ap.add_argument("--vs-nanochat", action="store_true",
+                    help="only the side-by-side: nanochat's own Engine and nanorl's on the same weights and prompt")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of --vs-nanochat")
+    ap.add_argument("--nanorl-side", default=None, help=argparse.SUPPRESS)
+    add_peer_args(ap)
     args = ap.parse_args()
+    if args.nanorl_side: return nanorl_side(args)
+    if args.vs_nanochat: return vs_nanochat(args)
     torch.set_num_threads(args.threads)
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{args.threads} threads, float32, best of {args.repeats}")
@@ -109,9 +149,6 @@ def main():
                 t_eng, _ = best_of(lambda: eng.generate_batch(prompt, 16, n, seed=0, **{**kw, "min_new_tokens": n}), args.repeats)
                 print(f"d{depth} 16 x {n} tokens: no-cache reference {16 * n / t_ref:,.0f} tok/s, engine {16 * n / t_eng:,.0f} tok/s "
                       f"({t_ref / t_eng:.1f}x)")
-                if args.nanochat:
-                    t_nc, all_nc = nanochat_engine_time(args.nanochat, model, tok, prompt, args.repeats)
-                    print(f"d{depth} nanochat Engine (measured, same weights): {16 * 128 / t_nc:,.0f} tok/s ({t / t_nc:.2f} time ratio)")
             if not args.skip_rl:
                 N, onednn = args.rl_tokens, M.ONEDNN_LINEAR
                 kw_rl = {**kw, "min_new_tokens": N}
@@ -130,7 +167,7 @@ def main():
                     pat_times.append(best_of(nanochat_pattern, 1)[0])
                 t_many, t_pat = min(many_times), min(pat_times)
                 print(f"d{depth} RL shape 16 prompts x 16 samples x {N}: generate_many {total / t_many:,.0f} tok/s ({t_many:.1f}s), "
-                      f"nanochat pattern (emulated: 32 generate_batch calls of 8 rows) {total / t_pat:,.0f} tok/s ({t_pat:.1f}s): "
+                      f"one prompt per call (chat_rl's calling pattern on nanorl's engine: 32 generate_batch calls of 8 rows) {total / t_pat:,.0f} tok/s ({t_pat:.1f}s): "
                       f"{t_pat / t_many:.1f}x; runs many {[round(x, 1) for x in many_times]} pattern {[round(x, 1) for x in pat_times]}; stats {stats}")
         del model, eng
 

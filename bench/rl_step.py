@@ -1,149 +1,72 @@
-"""Seconds per RL step on CPU, split into rollout, reward, training and eval (run by hand).
+"""Seconds per RL step, nanorl against nanochat's own chat_rl, side by side on this CPU (run by hand).
 
-The workload of the trainer's issue: a nanochat-shaped depth-4 model (n_embd 256, 2 heads, vocab 32768,
-random weights, so samples run to the token limit), 100-token prompts, and
-`--examples-per-step 2 --num-samples 8 --device-batch-size 8 --max-new-tokens 64`, float32, 2 threads.
-It runs the real `nanorl.train.train` loop and reads the timings it logs to metrics.jsonl.
+The workload is chat_rl's, shrunk to a CPU: a random nanochat-shaped depth-4 model (n_embd 256, 2 heads, vocab
+32768) written by nanochat's own code, real GSM8K, `--examples-per-step 2 --num-samples 8 --device-batch-size 8
+--max-new-tokens 64`, float32, 2 threads. Both sides read the same base dir (see `nanochat_peer.py`): nanochat runs
+`scripts/chat_rl.py` unmodified through its harness (which times each step from outside), nanorl runs
+`python -m nanorl.train` with the same flags. Runs alternate (nanochat, nanorl, nanochat, ...) in fresh processes so
+both see the same machine load. A step is steady from the second one on: nanochat's first compiles its optimizer
+(about a minute) and both evaluate there.
 
-`--pattern nanochat` runs the same loop the way chat_rl spends its time, as a same-machine baseline built from
-nanorl's parts (an emulation, not nanochat's code): one prompt per engine call (8 rows), logits and
-cross-entropy at every position of every row, the prompt recomputed for every sample, dense embedding
-gradients, the head through `F.linear` (MKL, not oneDNN), and no entropy diagnostic. It is kind to nanochat:
-its sampler and optimizer are nanorl's.
-`--compare N` alternates N runs of each pattern in fresh processes, so both see the same machine load.
-
-    python bench/rl_step.py [--steps 8] [--threads 2] [--pattern nanorl|nanochat] [--compare N]
+    python bench/rl_step.py [--rounds 2] [--steps 8] [--threads 2] [--isa native|avx2] [--nanochat-src PATH]
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile, time
+import argparse, json, statistics, subprocess, sys, tempfile, time
+from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).parent))
+from nanochat_peer import GSM8K_DIR, add_peer_args, base_dir, cpu_label, peer_env, run_peer
 
-from nanorl.checkpoint import save_checkpoint
-from nanorl.model import GPT, GPTConfig
-from nanorl.tokenizer import Tokenizer, bpe_encoding
-from nanorl.train import Config, train
-
-VOCAB, PROMPT_TOKENS = 32768, 100
-LETTERS = [chr(c) for c in range(0x100, 0x100 + 200)]  # 200 letters of Latin Extended: 2 UTF-8 bytes each
+FLAGS = ["--device-type", "cpu", "--run", "dummy", "--model-tag", "d4", "--model-step", "0", "--examples-per-step",
+         "2", "--num-samples", "8", "--device-batch-size", "8", "--max-new-tokens", "64", "--eval-every", "1000",
+         "--eval-examples", "8", "--save-every", "1000"]
 
 
-def synthetic_tokenizer(vocab_size=VOCAB) -> Tokenizer:
-    "A tokenizer of exactly `vocab_size` ids: the 256 bytes, then letters and letter pairs, then the 9 specials."
-    ranks = {bytes([b]): b for b in range(256)}
-    pieces = [a.encode() for a in LETTERS] + [(a + b).encode() for a in LETTERS for b in LETTERS]
-    for p in pieces:
-        if len(ranks) == vocab_size - 9: break
-        ranks.setdefault(p, len(ranks))
-    return Tokenizer(bpe_encoding(ranks))
+def nanochat_run(args, base) -> dict:
+    "One run of nanochat's chat_rl for --steps optimizer steps: seconds of each steady step, split as it reports."
+    env = peer_env(args, NANOCHAT_BASE_DIR=str(base))
+    out = run_peer(args, "nanochat_rl_step_wrapper.py", "--nanochat-dir", args.nanochat_src, "--steps", args.steps,
+                   "--", *FLAGS, env=env)
+    steady = slice(1, None)
+    return {"step": out["per_step_wall_s"][steady], "rollout": out["per_step_gen_s"][steady]}
 
 
-class PromptTask:
-    "Problems whose prompt renders to exactly PROMPT_TOKENS tokens; no completion is ever right (random weights)."
-    def __init__(self, tokenizer, n=64):
-        self.questions = [self._question(tokenizer, i) for i in range(n)]
-
-    @staticmethod
-    def _question(tokenizer, i):
-        "A run of letters, grown until the rendered prompt has PROMPT_TOKENS tokens."
-        text = ""
-        while True:
-            conv = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]}
-            if len(tokenizer.render_for_completion(conv)) >= PROMPT_TOKENS: return text
-            text += LETTERS[(7 * i + 3 * len(text)) % len(LETTERS)]
-
-    def __len__(self): return len(self.questions)
-    def __getitem__(self, i):
-        return {"messages": [{"role": "user", "content": self.questions[i]}, {"role": "assistant", "content": "#### 1"}]}
-    def evaluate(self, conversation, completion): return "#### 1" in completion
-    def reward(self, conversation, completion): return float(self.evaluate(conversation, completion))
-
-
-def make_tasks(cfg):
-    "The (train, held-out) pair for the benchmark's --task."
-    tok = synthetic_tokenizer()
-    return PromptTask(tok), PromptTask(tok)
-
-
-def write_base_dir(base: Path, seed=0):
-    "A nanochat base dir with the synthetic tokenizer and a random depth-4 model as its SFT checkpoint."
-    tok = synthetic_tokenizer()
-    tok.save(base / "tokenizer")
-    torch.manual_seed(seed)
-    config = GPTConfig(sequence_len=2048, vocab_size=VOCAB, n_layer=4, n_head=2, n_kv_head=2, n_embd=256)
-    model = GPT(config); model.init_weights()
-    save_checkpoint(base / "chatsft_checkpoints" / "d4", 0, model.state_dict(), None, {"model_config": config})
-    return tok
-
-
-def full_logits_logp(model, inputs, targets, share_prefix=False, with_entropy=False):
-    "chat_rl's log-probs: softcapped logits at every position (B, T, V), then cross-entropy with ignore_index -1 (no entropy)."
-    logits = model.unembed(model.hidden(inputs))                                # (B, T, V)
-    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
-    logp = -nll.view_as(targets)
-    return (logp, torch.zeros_like(logp)) if with_entropy else logp
-
-
-def use_nanochat_pattern() -> dict:
-    "Swap the trainer's shortcuts for chat_rl's way of spending time; returns the Config overrides it needs."
-    import nanorl.model as M, nanorl.train as T
-    M.ONEDNN_LINEAR = False                                                     # the head through F.linear (MKL), as nanochat
-    T.token_logp = full_logits_logp
-    T.use_sparse_embedding_grads = lambda model: None
-    return {"rollout_rows": 8}                                                  # one prompt (8 samples) per engine call
-
-
-def compare(args):
-    "Alternate runs of both patterns in fresh processes and print each run's medians and the ratio."
-    results = {"nanorl": [], "nanochat": []}
-    for _ in range(args.compare):
-        for pattern in results:
-            cmd = [sys.executable, __file__, "--steps", str(args.steps), "--threads", str(args.threads),
-                   "--pattern", pattern, "--json"]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            results[pattern].append(json.loads(out.strip().splitlines()[-1]))
-            r = results[pattern][-1]
-            print(f"{pattern:8s} {r['step']:.3f} s/step = rollout {r['t_rollout']:.3f} + training {r['t_train']:.3f}", flush=True)
-    ours, theirs = (statistics.median(r["step"] for r in results[k]) for k in ("nanorl", "nanochat"))
-    print(f"median of {args.compare} runs: nanorl {ours:.3f} s/step, nanochat pattern {theirs:.3f} s/step: {theirs / ours:.2f}x")
+def nanorl_run(args, base) -> dict:
+    "One run of `python -m nanorl.train` with the same flags: seconds of each steady step, rollout and training."
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "nanorl.train", *FLAGS, "--base-dir", str(base), "--data-dir", str(GSM8K_DIR),
+               "--num-steps", str(args.steps), "--output-dir", out]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(args))
+        if res.returncode != 0: raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+        records = [json.loads(line) for line in (Path(out) / "chatrl_checkpoints" / "d4" / "metrics.jsonl").open()]
+    steady = [r for r in records[1:] if "t_eval" not in r]
+    return {"step": [r["t_rollout"] + r["t_reward"] + r["t_train"] for r in steady],
+            "rollout": [r["t_rollout"] for r in steady], "train": [r["t_train"] for r in steady]}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8, help="RL steps (the first is warm-up)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-examples", type=int, default=16, help="problems in the one timed evaluation")
-    ap.add_argument("--pattern", choices=["nanorl", "nanochat"], default="nanorl", help="whose way of spending time")
-    ap.add_argument("--compare", type=int, default=0, help="alternate N runs of each pattern and report the ratio")
-    ap.add_argument("--json", action="store_true", help="end with one JSON line of the medians")
+    add_peer_args(ap)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is not counted)")
     args = ap.parse_args()
-    if args.compare: return compare(args)
-    overrides = use_nanochat_pattern() if args.pattern == "nanochat" else {}
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    sys.path.insert(0, str(Path(__file__).parent))
-    with tempfile.TemporaryDirectory() as d:
-        base = Path(d)
-        tok = write_base_dir(base)
-        prompt = tok.render_for_completion(make_tasks(None)[0][0])
-        cfg = Config(base_dir=str(base), device_type="cpu", task="rl_step:make_tasks", examples_per_step=2, num_samples=8,
-                     device_batch_size=8, max_new_tokens=64, num_steps=args.steps, eval_every=args.steps - 1,
-                     eval_examples=args.eval_examples, save_every=10_000, top_k=50, **overrides)
-        t0 = time.perf_counter()
-        records = train(cfg)
-        wall = time.perf_counter() - t0
-    steady = [r for r in records[1:] if "t_eval" not in r]
-    med = {k: statistics.median(r[k] for r in steady) for k in ("t_rollout", "t_reward", "t_train")}
-    total = sum(med.values())
-    ev = [r for r in records if "t_eval" in r][-1]
-    print(f"prompt {len(prompt)} tokens; mean completion {statistics.mean(r['seq_len'] for r in records):.1f} tokens; "
-          f"{len(steady)} steady-state steps; torch {torch.__version__}, {args.threads} threads")
-    print(f"median seconds per step: {total:.3f} = rollout {med['t_rollout']:.3f} + reward {med['t_reward']:.4f} "
-          f"+ training {med['t_train']:.3f}")
-    print(f"first step (warm-up): rollout {records[0]['t_rollout']:.3f} + training {records[0]['t_train']:.3f}")
-    print(f"one evaluation: {args.eval_examples} problems x 8 samples x 64 tokens in {ev['t_eval']:.2f} s; whole run {wall:.1f} s")
-    if args.json: print(json.dumps({"step": total, **med, "first": records[0]["t_rollout"] + records[0]["t_train"]}))
+    base = base_dir(args)
+    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_label()} | isa {args.isa} | {args.threads} threads",
+          flush=True)
+    runs = {"nanochat": [], "nanorl": []}
+    for _ in range(args.rounds):
+        for side, run in (("nanochat", nanochat_run), ("nanorl", nanorl_run)):
+            t0 = time.perf_counter()
+            r = run(args, base)
+            runs[side].append(r)
+            parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in r.items() if k != "step")
+            print(f"{side:8s} median step {statistics.median(r['step']):.3f} s ({parts}); "
+                  f"steps {[round(x, 2) for x in r['step']]}; run {time.perf_counter() - t0:.0f} s", flush=True)
+    med = {side: statistics.median(x for r in rs for x in r["step"]) for side, rs in runs.items()}
+    print(f"median steady step over {args.rounds} runs each: nanochat {med['nanochat']:.3f} s, nanorl "
+          f"{med['nanorl']:.3f} s: nanorl {med['nanochat'] / med['nanorl']:.2f}x faster")
+    print(json.dumps({"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **{f"{k}_step": v for k, v in med.items()},
+                      "ratio": med["nanochat"] / med["nanorl"]}))
 
 
 if __name__ == "__main__":
