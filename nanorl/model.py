@@ -18,8 +18,9 @@ import torch.nn.functional as F
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'ONEDNN_LINEAR',
            'PACK_MIN_ROWS', 'NS_COEFFICIENTS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary',
            'window_sizes', 'has_value_embed', 'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block',
-           'KVCache', 'GPT', 'PackedLinear', 'linear_forward', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll',
-           'GraphKVCache', 'newton_schulz', 'matmul_seconds', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
+           'KVCache', 'GPT', 'PackedLinear', 'linear_forward', 'best_seconds', 'onednn_pays', 'packed_weights',
+           'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache', 'newton_schulz', 'matmul_seconds', 'fast_matmul_dtype',
+           'Muon', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -380,11 +381,39 @@ def linear_forward(self: Linear, x):
     return self.pack(x) if self.pack is not None and not wants_grad else F.linear(x, self.weight)
 Linear.forward = linear_forward
 
+def best_seconds(fn, repeats=5, calls=3):
+    "Best time of `calls` calls of `fn`, over `repeats` tries after a warm-up."
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls): fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+@functools.cache
+def _onednn_measured(out_features, in_features, threads, rows=16):
+    "Whether a packed oneDNN product beats `F.linear` for this weight shape at `rows` rows (a decode step's batch)."
+    w, x = torch.randn(out_features, in_features) * 0.02, torch.randn(rows, in_features)
+    packed = PackedLinear(w)
+    if packed.packed is None: return False
+    with torch.no_grad():
+        return best_seconds(lambda: packed(x)) < best_seconds(lambda: F.linear(x, w))
+
+def onednn_pays(out_features, in_features) -> bool:
+    "Whether packing a float32 CPU weight of this shape for oneDNN makes decoding faster here (measured once per shape)."
+    if not (ONEDNN_LINEAR and torch.backends.mkldnn.enabled): return False
+    return _onednn_measured(out_features, in_features, torch.get_num_threads())
+
 @contextmanager
 def packed_weights(self: GPT):
     "A block in which calls without a gradient of the weight matrices and the head use copies packed on entry; the weights must not change inside."
     opened = [m for m in self.modules() if isinstance(m, Linear) and m.pack is None]   # an outer block's copies stay
-    for m in opened: m.pack = PackedLinear(m.weight[: self.config.vocab_size] if m is self.lm_head else m.weight)
+    for m in opened:
+        weight = m.weight[: self.config.vocab_size] if m is self.lm_head else m.weight
+        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        if on_cpu and onednn_pays(*weight.shape):                                # else F.linear, as outside a block
+            m.pack = PackedLinear(weight)
     try: yield self
     finally:
         for m in opened: m.pack = None
