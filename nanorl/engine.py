@@ -5,15 +5,16 @@
 # %% auto #0
 __all__ = ['CALC_ARITHMETIC_CHARS', 'CALC_STRING_CHARS', 'CALC_FORBIDDEN_WORDS', 'CALC_MAX_CHARS', 'CALC_MAX_NODES',
            'CALC_MAX_INT_DIGITS', 'CALC_MAX_INT_BITS', 'CALC_MAX_SECONDS', 'FAILED', 'M32', 'GREEDY_CANDIDATES',
-           'PACK_MIN_TOKENS', 'NOISE_CHUNK_ELEMENTS', 'calculator_language', 'use_calculator', 'sample_next_token',
-           'mix32', 'row_key', 'step_key', 'seeds_per_prompt', 'gumbel_noise', 'reference_generate', 'RowState',
-           'context_limit', 'Engine', 'softcap', 'raw_logits_fn', 'packed_for_call', 'pick_tokens', 'sample_full_vocab',
-           'stop_ids', 'run_calculator', 'advance_row', 'check_request', 'new_stats', 'prefill', 'decode_steps',
-           'generate', 'generate_many', 'generate_batch']
+           'PACK_MIN_TOKENS', 'NOISE_CHUNK_ELEMENTS', 'calculator_language', 'use_calculator', 'exact_value',
+           'sample_next_token', 'mix32', 'row_key', 'step_key', 'seeds_per_prompt', 'gumbel_noise',
+           'reference_generate', 'RowState', 'context_limit', 'Engine', 'softcap', 'raw_logits_fn', 'packed_for_call',
+           'pick_tokens', 'sample_full_vocab', 'stop_ids', 'run_calculator', 'advance_row', 'check_request',
+           'new_stats', 'prefill', 'decode_steps', 'generate', 'generate_many', 'generate_batch']
 
 # %% ../nbs/04_engine.ipynb #301f3865
 import ast, math, numbers, operator, string, time
 from collections import deque
+from fractions import Fraction
 from contextlib import nullcontext
 import torch, torch.nn.functional as F
 from .model import KVCache
@@ -167,6 +168,40 @@ def use_calculator(expr, nanochat_format=False, max_seconds=CALC_MAX_SECONDS):
         tree = ast.parse(expr.lstrip(" \t"), mode="eval")
         _check_tree(tree)
         return _finish(_evaluate(tree, deadline), nanochat_format)
+    except Exception: return None
+
+# %% ../nbs/04_engine.ipynb #c68d1fd3
+_EXACT_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+def _exact_node(node, args):
+    "The Fraction value of one node of an integer +-*/ tree, given its children's values; None where it has none."
+    if isinstance(node, ast.Expression): return args[0]
+    if isinstance(node, ast.Constant):
+        ok = type(node.value) is int
+        return Fraction(node.value) if ok else None
+    if not (isinstance(node, ast.BinOp) and type(node.op) in _EXACT_OPS) or None in args: return None
+    a, b = args
+    if isinstance(node.op, ast.Div) and b == 0: return None
+    out = _EXACT_OPS[type(node.op)](a, b)
+    too_big = max(out.numerator.bit_length(), out.denominator.bit_length()) > CALC_MAX_INT_BITS
+    return None if too_big else out
+
+def exact_value(expr: str) -> Fraction | None:
+    "The exact value of an expression of integers, + - * / and parentheses, as a Fraction; None otherwise. Never raises."
+    try:
+        if not isinstance(expr, str) or len(expr) > CALC_MAX_CHARS: return None
+        tree = ast.parse(expr.strip(), mode="eval")
+        _check_tree(tree)                                            # the calculator's node and size limits
+        values, stack = {}, [(tree, None)]
+        while stack:                                                 # bottom-up, no recursion (deep trees are fine)
+            node, kids = stack.pop()
+            if kids is None:
+                kids = _children(node) if isinstance(node, (ast.Expression, ast.BinOp)) else []
+                stack.append((node, kids))
+                stack.extend((k, None) for k in reversed(kids))
+            else:
+                values[id(node)] = _exact_node(node, [values.pop(id(k)) for k in kids])
+        return values[id(tree)]
     except Exception: return None
 
 # %% ../nbs/04_engine.ipynb #bda3520f

@@ -24,7 +24,7 @@ from .rollout import collate, halve_after_oom, microbatches, rollout, sample_see
 from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_checkpoint, load_model, load_resume_state, save_checkpoint
 from .model import fast_matmul_dtype
 from .engine import Engine
-from .tasks import GSM8K, Arithmetic
+from .tasks import GSM8K, Arithmetic, Countdown, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
 from .loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss, token_logp
 from .evaluate import evaluate_pass_at_k
@@ -62,9 +62,10 @@ class Config:
     base_dir: str | None = _flag(None, "nanochat base directory (default $NANOCHAT_BASE_DIR, else ~/.cache/nanochat)")
     source: str = _flag("sft", "checkpoint family to start from: sft or rl")
     output_dir: str | None = _flag(None, "where chatrl_checkpoints/<tag>/ is written (default: the base directory)")
-    task: str = _flag("gsm8k", "training task: gsm8k, arithmetic (the demo's synthetic task), or module:factory, "
-                      "a function of the config returning (train task, held-out task)")
-    data_dir: str | None = _flag(None, "local GSM8K files (train.jsonl/test.jsonl or parquet); default: the Hub")
+    task: str = _flag("gsm8k", "training task: gsm8k, countdown, arithmetic (the demo's synthetic task), or "
+                      "module:factory, a function of the config returning (train task, held-out task)")
+    data_dir: str | None = _flag(None, "local GSM8K files (train.jsonl/test.jsonl or parquet), default the Hub; for "
+                                 "countdown a jsonl/parquet file of nums/target rows, default generated problems")
     num_steps: int | None = _flag(None, "optimizer steps (default: epochs x problems / examples_per_step)")
     seed: int = _flag(0, "run seed: every sample's seed derives from (seed, step, problem, sample)")
     resume: bool = _flag(False, "continue from the last checkpoint in the output directory")
@@ -339,6 +340,12 @@ def _build_tasks(cfg: Config):
         module, name = cfg.task.split(":")
         return getattr(importlib.import_module(module), name)(cfg)
     if cfg.task == "arithmetic": return Arithmetic(n=4000, seed=cfg.seed, split="train"), Arithmetic(n=4000, seed=cfg.seed, split="test")
+    if cfg.task == "countdown":  # --data-dir: a jsonl/parquet file (or folder) of nums/target rows; else generated
+        rows = read_countdown_rows(cfg.data_dir) if cfg.data_dir else None
+        return (Countdown("train", rows=rows, n=20_000, seed=cfg.seed),
+                Countdown("test", rows=rows, n=1_000, seed=cfg.seed))
+    if cfg.task != "gsm8k":
+        raise ValueError(f"unknown --task {cfg.task!r}: expected gsm8k, countdown, arithmetic or module:factory")
     return (GSM8K("main", "train", data_dir=cfg.data_dir, base_dir=cfg.base_dir),
             GSM8K("main", "test", data_dir=cfg.data_dir, base_dir=cfg.base_dir))
 
