@@ -19,10 +19,11 @@ from .engine import exact_value
 
 # %% auto #0
 __all__ = ['NANOCHAT_ANSWER_RE', 'CALC_RE', 'GSM8K_DIR_ENV', 'COUNTDOWN_CHARS', 'COUNTDOWN_SYSTEM', 'COUNTDOWN_HUB',
-           'canonical_number', 'extract_answer', 'answer_to_parts', 'gsm8k_conversation', 'check_row', 'RewardShaping',
-           'reference_answer', 'Task', 'find_local_gsm8k', 'load_gsm8k_rows', 'GSM8K', 'Arithmetic',
+           'TASK_PROTOCOL', 'canonical_number', 'extract_answer', 'answer_to_parts', 'gsm8k_conversation', 'check_row',
+           'RewardShaping', 'reference_answer', 'Task', 'find_local_gsm8k', 'load_gsm8k_rows', 'GSM8K', 'Arithmetic',
            'conversation_text', 'last_tagged', 'countdown_reward', 'countdown_prompt', 'countdown_split',
-           'random_countdown', 'check_countdown_row', 'read_countdown_rows', 'load_countdown_hub', 'Countdown']
+           'random_countdown', 'check_countdown_row', 'read_countdown_rows', 'load_countdown_hub', 'Countdown',
+           'Solved', 'as_task']
 
 # %% ../nbs/05_rewards.ipynb #459549f2
 NANOCHAT_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's pattern (tasks/gsm8k.py)
@@ -421,18 +422,19 @@ def countdown_split(nums, target, test_fraction: float) -> str:
     return _split_of(f"{sorted(int(n) for n in nums)}|{int(target)}", test_fraction)
 
 def random_countdown(rng: random.Random, max_tries: int = 1000) -> dict:
-    "One problem {nums, target, solution}: 3-4 numbers in 1..99 and an integer target in 1..100 reached exactly."
+    "One problem {nums, target, solution}: 3-4 numbers in 1..99 and a target in 1..100 that `solution` reaches."
     for _ in range(max_tries):
         nums = [rng.randint(1, 99) for _ in range(rng.choice((3, 4)))]
-        terms = [str(n) for n in rng.sample(nums, len(nums))]
+        terms = [(str(n), n) for n in nums]                        # (text, value); integer steps keep this fast
+        rng.shuffle(terms)
         while len(terms) > 1:                                      # join two random terms with a random operator
-            i, j = sorted(rng.sample(range(len(terms)), 2))
-            b, a = terms.pop(j), terms.pop(i)
-            terms.append(f"({a} {rng.choice('+-*/')} {b})")
-        expr = terms[0][1:-1]
-        value = exact_value(expr)
-        if value is not None and value.denominator == 1 and 1 <= value <= 100:
-            return {"nums": nums, "target": int(value), "solution": expr}
+            (ta, a), (tb, b) = terms.pop(rng.randrange(len(terms))), terms.pop(rng.randrange(len(terms)))
+            op = rng.choice("+-*/" if b and a % b == 0 else "+-*")  # division only where it is exact
+            value = a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a // b
+            terms.append((f"({ta} {op} {tb})", value))
+        expr, value = terms[0][0][1:-1], terms[0][1]
+        if 1 <= value <= 100:
+            return {"nums": nums, "target": value, "solution": expr}
     raise ValueError(f"no reachable target in {max_tries} draws")
 
 # %% ../nbs/05_rewards.ipynb #36de4971
@@ -535,3 +537,22 @@ class Countdown(Task):
 
     @property
     def shaping_on(self) -> bool: return bool(self.format_weight or self.answer_weight)
+
+# %% ../nbs/05_rewards.ipynb #dc5e1930
+TASK_PROTOCOL = ("__len__", "__getitem__", "reward")
+
+class Solved:
+    "A task without `evaluate`: a completion counts as solved when its reward is at least 1."
+    def __init__(self, task): self.task = task
+    def __len__(self): return len(self.task)
+    def __getitem__(self, i): return self.task[i]
+    def reward(self, conversation, completion): return self.task.reward(conversation, completion)
+    def evaluate(self, conversation, completion): return self.task.reward(conversation, completion) >= 1.0
+
+def as_task(task, name: str = "task"):
+    "`task` itself if it follows the task protocol (wrapped in `Solved` when it lacks `evaluate`); else a TypeError."
+    missing = [m for m in TASK_PROTOCOL if not callable(getattr(type(task), m, None))]
+    if missing:
+        raise TypeError(f"{name} ({type(task).__name__}) lacks {', '.join(missing)}: a task needs len(task), "
+                        "task[i] -> conversation and reward(conversation, completion) -> float")
+    return task if callable(getattr(task, "evaluate", None)) else Solved(task)

@@ -24,7 +24,7 @@ from .rollout import collate, halve_after_oom, microbatches, rollout, sample_see
 from .checkpoint import CheckpointError, checkpoint_steps, get_base_dir, load_checkpoint, load_model, load_resume_state, save_checkpoint
 from .model import fast_matmul_dtype
 from .engine import Engine
-from .tasks import GSM8K, Arithmetic, Countdown, read_countdown_rows
+from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
 from .loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss, token_logp
 from .evaluate import evaluate_pass_at_k
@@ -338,7 +338,12 @@ def _build_tasks(cfg: Config):
     "The task pair named by --task."
     if ":" in cfg.task:
         module, name = cfg.task.split(":")
-        return getattr(importlib.import_module(module), name)(cfg)
+        maker = getattr(importlib.import_module(module), name)
+        if not isinstance(maker, type):
+            train_task, held_out = maker(cfg)                                   # a factory of the config
+            return as_task(train_task, f"--task {cfg.task} (training)"), as_task(held_out, f"--task {cfg.task} (held-out)")
+        extra = {"data_dir": cfg.data_dir} if cfg.data_dir else {}
+        return tuple(as_task(maker(split=split, **extra), f"--task {cfg.task}") for split in ("train", "test"))
     if cfg.task == "arithmetic": return Arithmetic(n=4000, seed=cfg.seed, split="train"), Arithmetic(n=4000, seed=cfg.seed, split="test")
     if cfg.task == "countdown":  # --data-dir: a jsonl/parquet file (or folder) of nums/target rows; else generated
         rows = read_countdown_rows(cfg.data_dir) if cfg.data_dir else None

@@ -46,3 +46,17 @@ class ZeroToyTask(ToyTask):
 def make_zero_tasks(cfg):
     "Every reward is 0."
     return ZeroToyTask(), ToyTask()
+
+
+class SplitToyTask:
+    "The protocol's minimum, built per split as `--task toy_task:SplitToyTask` does: no evaluate, 1 for an 'ok'."
+    def __init__(self, split="train"): self.rows = ROWS[:8] if split == "train" else ROWS[8:12]
+    def __len__(self): return len(self.rows)
+    def __getitem__(self, i):
+        return {"messages": [{"role": "user", "content": self.rows[i]["question"]}, {"role": "assistant", "content": "ok"}]}
+    def reward(self, conversation, completion): return float(completion.strip() == "ok")
+
+
+class NoRewardTask(SplitToyTask):
+    "Misses the protocol's reward."
+    reward = None
