@@ -5,7 +5,7 @@
 100-token prompt, 16 samples x 128 tokens, temperature 1, top-k 50, in alternating fresh processes. nanochat's side
 never samples its stop or tool tokens, nanorl's suppresses stops with min_new_tokens=128: every row runs 128 tokens.
 
-Without it, nanorl's own workloads (float32, randomly initialised nanochat-shaped models, vocab 32768, sequence_len 2048):
+Without it, nanorl's own workloads (float32, random nanochat-shaped models, vocab 32768, sequence_len 2048):
 - single prompt: 100-token prompt, 16 samples x 128 new tokens, temperature 1, top-k 50 (Engine.generate_batch);
 - the no-cache reference (reference_generate) on a shorter run, since it is quadratic;
 - RL rollout shape: 16 prompts x 16 samples x 128 tokens through one Engine.generate_many call, against chat_rl's
@@ -92,8 +92,8 @@ def nanorl_side(args):
 def vs_nanochat(args):
     "One prompt x 16 samples x 128 tokens: nanochat's Engine and nanorl's on the same weights, alternating processes."
     base = base_dir(args)
-    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_label()} | isa {args.isa} | {args.threads} threads",
-          flush=True)
+    now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"# {now} | {cpu_label()} | isa {args.isa} | {args.threads} threads", flush=True)
     best = {"nanochat": [], "nanorl": []}
     for _ in range(args.rounds):
         nc = run_peer(args, "nanochat_engine_bench.py", "--nanochat-root", args.nanochat_src, "--ckpt-dir", base,
@@ -102,8 +102,8 @@ def vs_nanochat(args):
         cmd = [sys.executable, __file__, "--nanorl-side", str(base), "--repeats", str(args.repeats)]
         ours = last_json(subprocess.run(cmd, check=True, capture_output=True, text=True, env=peer_env(args)).stdout)
         best["nanochat"].append(max(runs)); best["nanorl"].append(max(ours["tok_s"]))
-        print(f"nanochat Engine {[round(x) for x in runs]} tok/s | nanorl Engine {[round(x) for x in ours['tok_s']]} tok/s",
-              flush=True)
+        print(f"nanochat Engine {[round(x) for x in runs]} tok/s | "
+              f"nanorl Engine {[round(x) for x in ours['tok_s']]} tok/s", flush=True)
     nc, ours = statistics.median(best["nanochat"]), statistics.median(best["nanorl"])
     print(f"best run per round, median over {args.rounds} rounds: nanochat {nc:,.0f} tok/s, nanorl {ours:,.0f} tok/s: "
           f"{ours / nc:.2f}x")
@@ -167,7 +167,8 @@ def main():
                     pat_times.append(best_of(nanochat_pattern, 1)[0])
                 t_many, t_pat = min(many_times), min(pat_times)
                 print(f"d{depth} RL shape 16 prompts x 16 samples x {N}: generate_many {total / t_many:,.0f} tok/s ({t_many:.1f}s), "
-                      f"one prompt per call (chat_rl's calling pattern on nanorl's engine: 32 generate_batch calls of 8 rows) {total / t_pat:,.0f} tok/s ({t_pat:.1f}s): "
+                      f"one prompt per call (chat_rl's pattern on nanorl's engine: 32 calls of 8 rows) "
+                      f"{total / t_pat:,.0f} tok/s ({t_pat:.1f}s): "
                       f"{t_pat / t_many:.1f}x; runs many {[round(x, 1) for x in many_times]} pattern {[round(x, 1) for x in pat_times]}; stats {stats}")
         del model, eng
 

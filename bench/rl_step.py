@@ -51,8 +51,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is not counted)")
     args = ap.parse_args()
     base = base_dir(args)
-    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_label()} | isa {args.isa} | {args.threads} threads",
-          flush=True)
+    now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"# {now} | {cpu_label()} | isa {args.isa} | {args.threads} threads", flush=True)
     runs = {"nanochat": [], "nanorl": []}
     for _ in range(args.rounds):
         for side, run in (("nanochat", nanochat_run), ("nanorl", nanorl_run)):
@@ -65,7 +65,8 @@ def main():
     med = {side: statistics.median(x for r in rs for x in r["step"]) for side, rs in runs.items()}
     print(f"median steady step over {args.rounds} runs each: nanochat {med['nanochat']:.3f} s, nanorl "
           f"{med['nanorl']:.3f} s: nanorl {med['nanochat'] / med['nanorl']:.2f}x faster")
-    print(json.dumps({"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **{f"{k}_step": v for k, v in med.items()},
+    steps = {f"{k}_step": v for k, v in med.items()}
+    print(json.dumps({"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **steps,
                       "ratio": med["nanochat"] / med["nanorl"]}))
 
 

@@ -187,7 +187,7 @@ def _exact_node(node, args):
     return None if too_big else out
 
 def exact_value(expr: str) -> Fraction | None:
-    "The exact value of an expression of integers, + - * / and parentheses, as a Fraction; None otherwise. Never raises."
+    "The exact Fraction value of an expression of integers, + - * / and parentheses; None otherwise. Never raises."
     try:
         if not isinstance(expr, str) or len(expr) > CALC_MAX_CHARS: return None
         tree = ast.parse(expr.strip(), mode="eval")

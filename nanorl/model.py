@@ -401,7 +401,7 @@ def _onednn_measured(out_features, in_features, threads, rows=16):
         return best_seconds(lambda: packed(x)) < best_seconds(lambda: F.linear(x, w))
 
 def onednn_pays(out_features, in_features) -> bool:
-    "Whether packing a float32 CPU weight of this shape for oneDNN makes decoding faster here (measured once per shape)."
+    "Whether packing a float32 CPU weight of this shape for oneDNN speeds decoding up here (measured once per shape)."
     if not (ONEDNN_LINEAR and torch.backends.mkldnn.enabled): return False
     return _onednn_measured(out_features, in_features, torch.get_num_threads())
 
@@ -568,7 +568,7 @@ def matmul_seconds(dtype, n=128, k=512, repeats=3):
 
 @functools.cache
 def fast_matmul_dtype(device_type: str) -> torch.dtype:
-    "bfloat16 where this machine multiplies it faster than float32 (CUDA with bf16, CPUs with native bf16), else float32."
+    "bfloat16 where this machine multiplies it faster than float32 (CUDA with bf16, CPUs with native bf16)."
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device_type != "cpu":

@@ -341,14 +341,14 @@ def _build_tasks(cfg: Config):
         maker = getattr(importlib.import_module(module), name)
         if not isinstance(maker, type):
             train_task, held_out = maker(cfg)                                   # a factory of the config
-            return as_task(train_task, f"--task {cfg.task} (training)"), as_task(held_out, f"--task {cfg.task} (held-out)")
+            name = f"--task {cfg.task}"
+            return as_task(train_task, f"{name} (training)"), as_task(held_out, f"{name} (held-out)")
         extra = {"data_dir": cfg.data_dir} if cfg.data_dir else {}
         return tuple(as_task(maker(split=split, **extra), f"--task {cfg.task}") for split in ("train", "test"))
     if cfg.task == "arithmetic": return Arithmetic(n=4000, seed=cfg.seed, split="train"), Arithmetic(n=4000, seed=cfg.seed, split="test")
     if cfg.task == "countdown":  # --data-dir: a jsonl/parquet file (or folder) of nums/target rows; else generated
-        rows = read_countdown_rows(cfg.data_dir) if cfg.data_dir else None
-        return (Countdown("train", rows=rows, n=20_000, seed=cfg.seed),
-                Countdown("test", rows=rows, n=1_000, seed=cfg.seed))
+        rows = read_countdown_rows(cfg.data_dir) if cfg.data_dir else None   # read once for both splits
+        return Countdown("train", rows, n=20_000, seed=cfg.seed), Countdown("test", rows, n=1_000, seed=cfg.seed)
     if cfg.task != "gsm8k":
         raise ValueError(f"unknown --task {cfg.task!r}: expected gsm8k, countdown, arithmetic or module:factory")
     return (GSM8K("main", "train", data_dir=cfg.data_dir, base_dir=cfg.base_dir),

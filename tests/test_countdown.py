@@ -8,7 +8,7 @@ from nanorl.tasks import Countdown, countdown_reward
 from nanorl.train import Config, make_tasks
 
 NUMS = st.lists(st.integers(1, 99), min_size=3, max_size=4)
-ANSWER_CHARS = st.sampled_from(list("0123456789+-*/() =.x^÷×\n\t") + ["**", "//", "<answer>", "</answer>", "١", "é"])
+ANSWER_CHARS = st.sampled_from(list("0123456789+-*/() =.x^÷×\n\t") + ["**", "//", "<answer>", "</answer>", "١"])
 
 
 @settings(max_examples=400, deadline=None)

@@ -427,7 +427,7 @@ CALC_TOKENS = ["0", "1", "7", "9", "12", "3.5", "99999999999", "+", "-", "*", "*
                ".", "'abc'", '"a"', ".count(", ".upper()", "()", "[", "]", "{", "}", "__class__", "__import__", "__bases__",
                "__subclasses__", "__globals__", "os", "system", "open", "eval", "exec", "lambda", ":", "import", "getattr",
                "__builtins__", "print", "'x'*99", "if", "else", "in", "not", "and", "or", "\n", ";", "=", "e9", "j"]
-ALLOWED_RESULTS = (type(None), bool, int, float, complex, str, bytes, tuple, list, type(Ellipsis))  # `...` is a constant, as in nanochat
+ALLOWED_RESULTS = (type(None), bool, int, float, complex, str, bytes, tuple, list, type(Ellipsis))  # `...`, as nanochat
 CALC_BOUND_S = 2.0   # CALC_MAX_SECONDS is 0.5; the rest is parsing and slack for a busy machine
 calc_texts = st.one_of(
     st.text(max_size=300),

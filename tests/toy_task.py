@@ -53,7 +53,8 @@ class SplitToyTask:
     def __init__(self, split="train"): self.rows = ROWS[:8] if split == "train" else ROWS[8:12]
     def __len__(self): return len(self.rows)
     def __getitem__(self, i):
-        return {"messages": [{"role": "user", "content": self.rows[i]["question"]}, {"role": "assistant", "content": "ok"}]}
+        question = self.rows[i]["question"]
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "ok"}]}
     def reward(self, conversation, completion): return float(completion.strip() == "ok")
 
 
