@@ -19,8 +19,8 @@ __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHA
            'PACK_MIN_ROWS', 'NS_COEFFICIENTS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary',
            'window_sizes', 'has_value_embed', 'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block',
            'KVCache', 'GPT', 'PackedLinear', 'linear_forward', 'best_seconds', 'onednn_pays', 'packed_weights',
-           'SoftcappedNLL', 'softcapped_nll', 'GraphKVCache', 'newton_schulz', 'matmul_seconds', 'fast_matmul_dtype',
-           'Muon', 'MultiOptimizer']
+           'SoftcappedNLL', 'softcapped_nll', 'newton_schulz', 'matmul_seconds', 'fast_matmul_dtype', 'Muon',
+           'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -506,36 +506,6 @@ def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):
     c = self.config
     return KVCache(batch_size, c.n_kv_head, seq_len or c.sequence_len, c.head_dim, c.n_layer, self.get_device(), dtype)
 GPT.new_kv_cache = new_kv_cache
-
-# %% ../nbs/02_model.ipynb #e4a36da9
-class GraphKVCache:
-    "Keys/values kept as autograd tensors (no buffer, no detach), for a prefix computed once and shared by B rows."
-    def __init__(self, num_layers, max_seq_len, device=None):
-        self.keys, self.values = [None] * num_layers, [None] * num_layers    # each (1 | B, T, H_kv, D)
-        self.cache_seqlens = torch.zeros(1, dtype=torch.long, device=device) # (B,)
-        self.prev_embedding = None                                            # (1 | B, 1, d), in the graph
-        self.max_seq_len = max_seq_len
-
-    @property
-    def batch_size(self): return self.cache_seqlens.shape[0]
-    def expand(self, batch_size):
-        "Share what is stored so far (batch 1) with `batch_size` rows."
-        if self.batch_size != 1: raise ValueError(f"only a batch-1 prefix can be expanded, this cache has {self.batch_size} rows")
-        self.cache_seqlens = self.cache_seqlens.expand(batch_size).clone()
-        return self
-
-    def update(self, layer, k, v, ctx):
-        "Append keys/values (B, T, H_kv, D) after the stored ones; return all of them (B, k_len, H_kv, D)."
-        if not ctx["uniform"]: raise ValueError("GraphKVCache needs every row at the same position")
-        if self.keys[layer] is not None:
-            B = k.shape[0]
-            k = torch.cat([self.keys[layer].expand(B, -1, -1, -1), k], dim=1)
-            v = torch.cat([self.values[layer].expand(B, -1, -1, -1), v], dim=1)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-    def remember_last(self, x):
-        "Keep the last position of x (B, T, d) for the next forward's smear, gradient included."
-        self.prev_embedding = x[:, -1:]
 
 # %% ../nbs/02_model.ipynb #95b1028e
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of Muon's quintic iteration

@@ -66,7 +66,7 @@ def test_calculator_quirks_and_limits():
 
 def test_string_arithmetic_is_refused():
     "nanochat's string form has no + or *; our evaluator refuses them too (unbounded growth). Never raises."
-    from nanorl.engine import FAILED, _evaluate
+    from nanorl.calculator import FAILED, _evaluate
     for e in ["('ab'+'cd').count('a')", "('ab'*3).count('a')", "'x'.count('x') + 1", "('a'*99999999999).count('a')", "'ab'+'cd'"]:
         assert use_calculator(e) is None and use_calculator(e, nanochat_format=True) is None, e
     for e in ["('ab'+'cd').count('a')", "('ab'*3).count('a')", "('a'*99999999999).count('a')", "'ab'+'cd'", "3*'ab'"]:

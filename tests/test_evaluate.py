@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanorl.evaluate import PassAtK, pass_at_k, pass_at_k_first, problem_seed
+from nanorl.evaluate import PassAtK, pass_at_k, pass_at_k_first
+from nanorl.rollout import problem_seed
 
 
 def test_two_ranks_equal_one_process(tmp_path):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanorl.evaluate import problem_seed
+from nanorl.rollout import problem_seed
 from nanorl.rollout import Rollout, collate, halve_after_oom, microbatches, sample_seeds, score
 
 
