@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from nanochat_peer import add_peer_args, base_dir, cpu_label, last_json, peer_env, run_peer
 
-import nanorl.model as M
+import nanorl.fast_cpu as M  # the CPU fast paths on, as the trainer runs
 from nanorl.engine import Engine, reference_generate, sample_next_token, row_key
 from nanorl.model import GPT, GPTConfig
 
@@ -55,13 +55,14 @@ def prompt_ids(n, vocab, seed):
 
 def decode_step_times(model, eng, rows, repeats=15):
     """Best time of one decode step at `rows` rows: bare forward (softcapped full logits), a nanochat-style step
-    (forward + sample_next_token top-k 50 + .tolist()), our step (hidden + frozen head + pick_tokens + .tolist()), and hidden states alone."""
+    (forward + sample_next_token top-k 50 + .tolist()), our step (hidden + packed head + pick_tokens + .tolist()), and hidden states alone."""
     V = model.config.vocab_size
     one, cache = model.new_kv_cache(1, 100), model.new_kv_cache(rows, 100 + 2 * repeats * 4 + 8)
     model.hidden(torch.tensor([prompt_ids(100, V, 0)]), kv_cache=one)
     cache.prefill_rows(one, list(range(rows)))
     x, rng = torch.randint(0, V - 9, (rows, 1), generator=torch.Generator().manual_seed(1)), torch.Generator().manual_seed(0)
-    keys, head = torch.tensor([row_key(0, j) for j in range(rows)]), model.frozen_unembed()
+    pack = M.PackedLinear(model.lm_head.weight[:V])                 # the head as the engine packs it per generate call
+    keys, head = torch.tensor([row_key(0, j) for j in range(rows)]), lambda h: pack(h).float()
     fns = {"bare forward": lambda: model(x, kv_cache=cache)[:, -1],
            "nanochat-style step": lambda: sample_next_token(model(x, kv_cache=cache)[:, -1], rng, 1.0, 50)[:, 0].tolist(),
            "nanorl step": lambda: eng.pick_tokens(head(model.hidden(x, kv_cache=cache)[:, -1]), keys, 0, 1.0, 50).tolist(),

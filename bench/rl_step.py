@@ -10,7 +10,7 @@ both see the same machine load. A step is steady from the second one on: nanocha
 
     python bench/rl_step.py [--rounds 2] [--steps 8] [--threads 2] [--isa native|avx2] [--nanochat-src PATH]
 """
-import argparse, json, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, statistics, subprocess, sys, tempfile, time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -31,12 +31,15 @@ def nanochat_run(args, base) -> dict:
     return {"step": out["per_step_wall_s"][steady], "rollout": out["per_step_gen_s"][steady]}
 
 
-def nanorl_run(args, base) -> dict:
-    "One run of `python -m nanorl.train` with the same flags: seconds of each steady step, rollout and training."
+def nanorl_run(args, base, tree=None) -> dict:
+    "One run of `python -m nanorl.train` (from `tree`'s nanorl if given): seconds of each steady step, rollout, training."
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "nanorl.train", *FLAGS, "--base-dir", str(base), "--data-dir", str(GSM8K_DIR),
                "--num-steps", str(args.steps), "--output-dir", out]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(args))
+        env = peer_env(args)
+        if tree:                                             # an older checkout of nanorl, for before/after figures
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
         if res.returncode != 0: raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
         records = [json.loads(line) for line in (Path(out) / "chatrl_checkpoints" / "d4" / "metrics.jsonl").open()]
     steady = [r for r in records[1:] if "t_eval" not in r]
@@ -49,13 +52,16 @@ def main():
     add_peer_args(ap)
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is not counted)")
+    ap.add_argument("--before", default=None, help="instead of nanochat, compare with nanorl from this checkout")
     args = ap.parse_args()
     base = base_dir(args)
     now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"# {now} | {cpu_label()} | isa {args.isa} | {args.threads} threads", flush=True)
-    runs = {"nanochat": [], "nanorl": []}
+    peer = "before" if args.before else "nanochat"
+    peer_run = (lambda a, b: nanorl_run(a, b, Path(args.before).resolve())) if args.before else nanochat_run
+    runs = {peer: [], "nanorl": []}
     for _ in range(args.rounds):
-        for side, run in (("nanochat", nanochat_run), ("nanorl", nanorl_run)):
+        for side, run in ((peer, peer_run), ("nanorl", nanorl_run)):
             t0 = time.perf_counter()
             r = run(args, base)
             runs[side].append(r)
@@ -63,11 +69,11 @@ def main():
             print(f"{side:8s} median step {statistics.median(r['step']):.3f} s ({parts}); "
                   f"steps {[round(x, 2) for x in r['step']]}; run {time.perf_counter() - t0:.0f} s", flush=True)
     med = {side: statistics.median(x for r in rs for x in r["step"]) for side, rs in runs.items()}
-    print(f"median steady step over {args.rounds} runs each: nanochat {med['nanochat']:.3f} s, nanorl "
-          f"{med['nanorl']:.3f} s: nanorl {med['nanochat'] / med['nanorl']:.2f}x faster")
+    print(f"median steady step over {args.rounds} runs each: {peer} {med[peer]:.3f} s, nanorl "
+          f"{med['nanorl']:.3f} s: nanorl {med[peer] / med['nanorl']:.2f}x faster")
     steps = {f"{k}_step": v for k, v in med.items()}
     print(json.dumps({"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **steps,
-                      "ratio": med["nanochat"] / med["nanorl"]}))
+                      "ratio": med[peer] / med["nanorl"]}))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from .checkpoint import save_checkpoint
 from .engine import Engine
 from .tasks import Arithmetic
 from .evaluate import evaluate_pass_at_k
-from .train import Config, train
+from .rollout import Sampling
+from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks, train
 
 # %% auto #0
-__all__ = ['TRAIN_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'DemoConfig', 'make_tasks', 'NoSignal', 'make_control_tasks',
-           'train_tokenizer', 'build_model', 'sft_batch', 'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config',
-           'eval_points', 'moving_average', 'plot_run', 'set_threads', 'clear_run', 'prepare', 'run_rl', 'before_after',
-           'run_demo', 'build_parser', 'main']
+__all__ = ['DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch', 'sampled_accuracy',
+           'sft_warmup', 'save_sft', 'rl_config', 'eval_points', 'moving_average', 'plot_run', 'set_threads',
+           'clear_run', 'prepare', 'run_rl', 'before_after', 'run_demo', 'demo_parser', 'main']
 
 # %% ../nbs/13_demo.ipynb #3b6f2382
 @dataclass
@@ -70,14 +70,6 @@ class DemoConfig:
         return replace(self, **{**dict(rl_steps=30, eval_every=1000, eval_examples=200), **changes})
 
 # %% ../nbs/13_demo.ipynb #a3061f58
-TRAIN_PROBLEMS = 4000                          # training problems, drawn with the run's seed
-HELD_OUT_SEED, HELD_OUT_PROBLEMS = 1234, 1000  # the fixed held-out set
-
-def make_tasks(cfg: Config):
-    "(training task, held-out task) for the demo: Arithmetic problems from the run's seed, a fixed held-out set."
-    return (Arithmetic(n=TRAIN_PROBLEMS, seed=cfg.seed, split="train"),
-            Arithmetic(n=HELD_OUT_PROBLEMS, seed=HELD_OUT_SEED, split="test"))
-
 class NoSignal:
     "A task whose rewards are all 0 (so every advantage is 0); evaluation is the wrapped task's."
     def __init__(self, task): self.task = task
@@ -88,7 +80,7 @@ class NoSignal:
 
 def make_control_tasks(cfg: Config):
     "The demo's tasks with the training reward switched off: the control run."
-    train_task, held_out = make_tasks(cfg)
+    train_task, held_out = make_tasks(cfg)              # --task arithmetic: the demo's problems
     return NoSignal(train_task), held_out
 
 # %% ../nbs/13_demo.ipynb #c9a57edc
@@ -98,7 +90,7 @@ def train_tokenizer(task, vocab_size: int) -> Tokenizer:
         warnings.filterwarnings("ignore", message="the corpus only supported")
         return Tokenizer.train_from_iterator(task.texts(), vocab_size)
 
-def build_model(tokenizer: Tokenizer, dc: DemoConfig) -> GPT:
+def fresh_model(tokenizer: Tokenizer, dc: DemoConfig) -> GPT:
     "A tiny GPT of the current nanochat architecture, freshly initialized with the run's seed."
     torch.manual_seed(dc.seed)
     config = GPTConfig(sequence_len=dc.sequence_len, vocab_size=tokenizer.get_vocab_size(), n_layer=dc.n_layer,
@@ -123,8 +115,9 @@ def sampled_accuracy(model, tokenizer, task, dc: DemoConfig) -> float:
     "Fraction of `task`'s problems answered right by one sample each at the RL temperature."
     was_training = model.training
     model.eval()
-    result = evaluate_pass_at_k(Engine(model, tokenizer), tokenizer, task, num_samples=1, max_new_tokens=dc.max_new_tokens,
-                                temperature=dc.temperature, top_k=None, seed=dc.seed, prompts_per_batch=len(task), progress=False)
+    one = Sampling(num_samples=1, max_new_tokens=dc.max_new_tokens, temperature=dc.temperature, top_k=None)
+    result = evaluate_pass_at_k(Engine(model, tokenizer), tokenizer, task, one, seed=dc.seed,
+                                prompts_per_batch=len(task), progress=False)
     model.train(was_training)
     return result.estimate(1)[0]
 
@@ -166,7 +159,7 @@ def rl_config(dc: DemoConfig, control: bool = False, **changes) -> Config:
     "The trainer's Config for the demo's RL run (or its zero-advantage control)."
     out = Path(dc.out_dir)
     return Config(base_dir=str(out), output_dir=str(out / "control" if control else out), model_tag=dc.tag,
-                  device_type="cpu", task=f"nanorl.demo:{'make_control_tasks' if control else 'make_tasks'}", seed=dc.seed,
+                  device_type="cpu", task="arithmetic", seed=dc.seed,
                   num_steps=dc.rl_steps, examples_per_step=dc.examples_per_step, num_samples=dc.num_samples,
                   device_batch_size=dc.num_samples, max_new_tokens=dc.max_new_tokens, temperature=dc.temperature, top_k=0,
                   init_lr_frac=dc.init_lr_frac, eval_every=dc.eval_every, eval_examples=dc.eval_examples,
@@ -226,10 +219,10 @@ def prepare(dc: DemoConfig, progress: bool = True) -> dict:
     out = Path(dc.out_dir)
     clear_run(out, dc.tag)
     t0 = time.perf_counter()
-    train_task, _ = make_tasks(Config(seed=dc.seed))
+    train_task, _ = make_tasks(Config(task="arithmetic", seed=dc.seed))
     tokenizer = train_tokenizer(train_task, dc.vocab_size)
     t1 = time.perf_counter()
-    model = build_model(tokenizer, dc)
+    model = fresh_model(tokenizer, dc)
     dev = Arithmetic(n=dc.sft_dev_problems, seed=dc.seed + 999, split="test")
     history = sft_warmup(model, tokenizer, train_task, dev, dc, progress=progress)
     save_sft(out, model, tokenizer, len(history), dc)
@@ -240,7 +233,8 @@ def prepare(dc: DemoConfig, progress: bool = True) -> dict:
 def run_rl(dc: DemoConfig, control: bool = False) -> tuple[list[dict], float]:
     "The RL run (or its control) from the demo's SFT checkpoint; returns the trainer's records and the seconds it took."
     t0 = time.perf_counter()
-    records = train(rl_config(dc, control=control))
+    cfg = rl_config(dc, control=control)
+    records = train(cfg, tasks=make_control_tasks(cfg) if control else None)
     return records, time.perf_counter() - t0
 
 def before_after(records) -> tuple[float, float]:
@@ -263,7 +257,7 @@ def run_demo(dc: DemoConfig, progress: bool = True, plot: bool = True) -> dict:
     return summary
 
 # %% ../nbs/13_demo.ipynb #b26b5062
-def build_parser() -> argparse.ArgumentParser:
+def demo_parser() -> argparse.ArgumentParser:
     "Command-line flags of `python -m nanorl.demo`."
     p = argparse.ArgumentParser(prog="python -m nanorl.demo",
                                 description="Tokenizer, tiny GPT, SFT warm-up and RL on synthetic arithmetic, on CPU, in a few minutes.")
@@ -277,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     "Entry point of `python -m nanorl.demo`."
-    args = build_parser().parse_args(argv)
+    args = demo_parser().parse_args(argv)
     dc = DemoConfig(out_dir=args.out_dir, seed=args.seed, threads=args.threads)
     if args.quick: dc = dc.quick()
     if args.rl_steps is not None:

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
-from .rollout import completion_text, problem_seed
+from .rollout import Sampling, completion_text, problem_seed
 
 # %% auto #0
-__all__ = ['pass_at_k', 'pass_at_k_first', 'mean_and_stderr', 'sample_outcomes', 'PassAtK', 'evaluate_pass_at_k']
+__all__ = ['EVAL_SAMPLING', 'pass_at_k', 'pass_at_k_first', 'mean_and_stderr', 'sample_outcomes', 'PassAtK', 'evaluate_pass_at_k']
 
 # %% ../nbs/10_evaluate.ipynb #1bc75e22
 def _check_nk(n, k):
@@ -56,19 +56,19 @@ def mean_and_stderr(values) -> tuple[float, float]:
     return v.mean().item(), se
 
 # %% ../nbs/10_evaluate.ipynb #076a34f6
-def sample_outcomes(engine, tokenizer, task, indices, num_samples: int = 8, max_new_tokens: int = 256,
-                    temperature: float = 1.0, top_k: int | None = 50, seed: int = 42, prompts_per_batch: int = 8,
-                    progress: bool = False) -> torch.Tensor:
+EVAL_SAMPLING = Sampling(num_samples=8)  # nanochat's pass@k: 8 samples, 256 new tokens, temperature 1, top-50
+
+def sample_outcomes(engine, tokenizer, task, indices, sampling: Sampling = EVAL_SAMPLING, seed: int = 42,
+                    prompts_per_batch: int = 8, progress: bool = False) -> torch.Tensor:
     "(len(indices), num_samples) bool: whether each sample of each listed problem is correct."
-    indices = list(indices)
+    indices, num_samples = list(indices), sampling.num_samples
     out = torch.zeros(len(indices), num_samples, dtype=torch.bool)
     bar = tqdm(total=len(indices), desc="pass@k", disable=not progress)
     for start in range(0, len(indices), prompts_per_batch):
         batch = indices[start:start + prompts_per_batch]
         conversations = [task[i] for i in batch]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
-        seqs, _ = engine.generate_many(prompts, num_samples, max_tokens=max_new_tokens, temperature=temperature,
-                                       top_k=top_k, seed=[problem_seed(seed, i) for i in batch])
+        seqs, _ = engine.generate_many(prompts, seed=[problem_seed(seed, i) for i in batch], **sampling.engine_args())
         if len(seqs) != len(prompts) * num_samples:
             raise ValueError(f"engine returned {len(seqs)} sequences, expected {len(prompts)} x {num_samples}")
         for j, seq in enumerate(seqs):
@@ -106,24 +106,27 @@ class PassAtK:
         return out
 
 # %% ../nbs/10_evaluate.ipynb #d3efb02d
-def evaluate_pass_at_k(engine, tokenizer, task, num_problems: int | None = None, num_samples: int = 8,
-                       max_new_tokens: int = 256, temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
-                       ks=(), prompts_per_batch: int = 8, rank: int | None = None, world_size: int | None = None,
+def evaluate_pass_at_k(engine, tokenizer, task, sampling: Sampling = EVAL_SAMPLING, num_problems: int | None = None,
+                       seed: int = 42, prompts_per_batch: int = 8, shard: tuple[int, int] | None = None,
                        progress: bool = True) -> PassAtK:
     "pass@k on the first `num_problems` problems of `task`, rank-strided across processes and reduced to every rank."
     initialized = dist.is_available() and dist.is_initialized()
-    rank = (dist.get_rank() if initialized else 0) if rank is None else rank
-    world_size = (dist.get_world_size() if initialized else 1) if world_size is None else world_size
+    if shard is None:                                      # (rank, world size): torch.distributed's, or one process
+        shard = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    rank, world_size = shard
     if world_size > 1 and not initialized:
         raise ValueError(f"world_size={world_size} needs torch.distributed to be initialized")
-    if not 0 <= rank < world_size: raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if num_samples < 1: raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if sampling.num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {sampling.num_samples}")
     num_problems = len(task) if num_problems is None else min(num_problems, len(task))
     mine = list(range(rank, num_problems, world_size))
-    local = sample_outcomes(engine, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k, seed,
-                            prompts_per_batch, progress=progress and rank == 0)
-    device = torch.device("cuda", torch.cuda.current_device()) if initialized and dist.get_backend() == "nccl" else "cpu"
-    table = torch.zeros(num_problems, num_samples, dtype=torch.int32, device=device)   # (P, n)
+    local = sample_outcomes(engine, tokenizer, task, mine, sampling, seed, prompts_per_batch, progress and rank == 0)
+    nccl = initialized and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    table = torch.zeros(num_problems, sampling.num_samples, dtype=torch.int32, device=device)   # (P, n)
     table[mine] = local.to(device=device, dtype=torch.int32)
-    if world_size > 1: dist.all_reduce(table, op=dist.ReduceOp.SUM)
-    return PassAtK(table.cpu().bool(), ks)
+    if world_size > 1:
+        dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    return PassAtK(table.cpu().bool())

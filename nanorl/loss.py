@@ -15,7 +15,7 @@ __all__ = ['NORMALIZATIONS', 'count_trained', 'loss_normalizer', 'surrogate', 'k
 # %% ../nbs/09_loss.ipynb #86c058da
 NORMALIZATIONS = ("nanochat", "token", "sequence", "drgrpo")
 
-# Contract (see 07_loss.ipynb): per step, the trainer
+# Contract (see 09_loss.ipynb): per step, the trainer
 #   1. sums count_trained(mask) over its microbatches and all-reduces (SUM) the result over ranks;
 #   2. norm = loss_normalizer(kind, num_tokens=..., num_sequences=..., num_microbatches=..., max_len=..., world_size=W)
 #      with those GLOBAL counts;

@@ -8,19 +8,16 @@ import functools
 import math
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'ONEDNN_LINEAR',
-           'PACK_MIN_ROWS', 'NS_COEFFICIENTS', 'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary',
-           'window_sizes', 'has_value_embed', 'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block',
-           'KVCache', 'GPT', 'PackedLinear', 'linear_forward', 'best_seconds', 'onednn_pays', 'packed_weights',
-           'SoftcappedNLL', 'softcapped_nll', 'newton_schulz', 'matmul_seconds', 'fast_matmul_dtype', 'Muon',
-           'MultiOptimizer']
+__all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'NS_COEFFICIENTS',
+           'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed',
+           'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'newton_schulz',
+           'matmul_seconds', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -122,13 +119,9 @@ def attention_mask(q_pos, k_len, window):
 
 # %% ../nbs/02_model.ipynb #3e6d1572
 class Linear(nn.Linear):
-    "nn.Linear without a bias, for the model's weight matrices; `GPT.packed_weights` (below) makes its calls without a gradient faster on a CPU."
+    "nn.Linear without a bias: the model's weight matrices, under nanochat's parameter names."
     def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features, bias=False)
-        self.pack = None                                                        # a PackedLinear inside packed_weights
-    def __getstate__(self):
-        "Deep copies and pickles leave a packed copy behind."
-        return {**self.__dict__, "pack": None}
 
 class CausalSelfAttention(nn.Module):
     "Multi-head attention with GQA, rotary, QK-norm, optional value embedding and sliding window."
@@ -355,150 +348,39 @@ def hidden(self: GPT, idx, kv_cache=None):
     return norm(x)
 GPT._cache_context, GPT._smear, GPT.hidden = _cache_context, _smear, hidden
 
-# %% ../nbs/02_model.ipynb #de78914a
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
-
-class PackedLinear:
-    "x @ W.T with W (out, in) reordered once for oneDNN (float32 on a CPU, no gradient); F.linear otherwise. Valid until W changes."
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.packed = weight.detach(), None
-        if (ONEDNN_LINEAR and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled("cpu")
-                and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
-            try: self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-            except RuntimeError: self.packed = None                              # this build or CPU can't: F.linear
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        "(..., in) -> (..., out)."
-        if (self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
-                or (torch.is_grad_enabled() and x.requires_grad)): return F.linear(x, self.weight)
-        try: return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        except RuntimeError:                                                    # refused at call time: F.linear from now on
-            self.packed = None
-            return F.linear(x, self.weight)
-
-def linear_forward(self: Linear, x):
-    "x @ W.T: through the packed copy inside `GPT.packed_weights` where no gradient is wanted, else `F.linear`."
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-    return self.pack(x) if self.pack is not None and not wants_grad else F.linear(x, self.weight)
-Linear.forward = linear_forward
-
-def best_seconds(fn, repeats=5, calls=3):
-    "Best time of `calls` calls of `fn`, over `repeats` tries after a warm-up."
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls): fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-@functools.cache
-def _onednn_measured(out_features, in_features, threads, rows=16):
-    "Whether a packed oneDNN product beats `F.linear` for this weight shape at `rows` rows (a decode step's batch)."
-    w, x = torch.randn(out_features, in_features) * 0.02, torch.randn(rows, in_features)
-    packed = PackedLinear(w)
-    if packed.packed is None: return False
-    with torch.no_grad():
-        return best_seconds(lambda: packed(x)) < best_seconds(lambda: F.linear(x, w))
-
-def onednn_pays(out_features, in_features) -> bool:
-    "Whether packing a float32 CPU weight of this shape for oneDNN speeds decoding up here (measured once per shape)."
-    if not (ONEDNN_LINEAR and torch.backends.mkldnn.enabled): return False
-    return _onednn_measured(out_features, in_features, torch.get_num_threads())
-
-@contextmanager
-def packed_weights(self: GPT):
-    "A block in which calls without a gradient of the weight matrices and the head use copies packed on entry; the weights must not change inside."
-    opened = [m for m in self.modules() if isinstance(m, Linear) and m.pack is None]   # an outer block's copies stay
-    for m in opened:
-        weight = m.weight[: self.config.vocab_size] if m is self.lm_head else m.weight
-        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if on_cpu and onednn_pays(*weight.shape):                                # else F.linear, as outside a block
-            m.pack = PackedLinear(weight)
-    try: yield self
-    finally:
-        for m in opened: m.pack = None
-GPT.packed_weights = packed_weights
-
-# %% ../nbs/02_model.ipynb #c7fdaa3c
-PACK_MIN_ROWS = 64  # fewer rows than this: reordering the head for oneDNN costs more than it saves
-
-class SoftcappedNLL(torch.autograd.Function):
-    "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, with the gradient formed in the forward pass."
-    @staticmethod
-    def forward(ctx, h, weight, targets, softcap, chunk_rows, packed):
-        N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
-        head = packed or (PackedLinear(weight) if N >= PACK_MIN_ROWS else (lambda x: F.linear(x, weight)))
-        nll, entropy, dz = [], [], None                                         # dz (N, V): a quarter of d nll / d z
-        for s in range(0, N, chunk_rows):
-            z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
-            u = z.to(torch.promote_types(z.dtype, torch.float32)).mul_(2 / softcap).sigmoid_()  # (n, V): tanh = 2u - 1
-            logits = u * (2 * softcap)                                          # (n, V): softcapped logits + softcap
-            p = torch.softmax(logits, dim=-1)                                   # (n, V)
-            tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
-            p_tgt = p.gather(1, tgt)                                            # (n, 1)
-            nll.append(-p_tgt.log().squeeze(1))
-            lse = nll[-1] + logits.gather(1, tgt).squeeze(1)                    # (n,) logsumexp of the logits
-            entropy.append((lse - torch.linalg.vecdot(p, logits)).clamp_(min=0))
-            if not needs_grad: continue
-            if dz is None: dz = torch.empty(N, weight.shape[0], dtype=z.dtype, device=h.device)
-            p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
-            torch.ops.aten.sigmoid_backward.grad_input(p, u, grad_input=dz[s:s + chunk_rows])  # (p - onehot) u (1 - u)
-        if needs_grad:
-            if dz is None: dz = h.new_zeros(0, weight.shape[0])                 # no rows at all
-            ctx.save_for_backward(h, weight, dz)
-        empty = lambda: h.new_zeros(0, dtype=torch.promote_types(h.dtype, torch.float32))
-        nll, entropy = (torch.cat(nll) if nll else empty()), (torch.cat(entropy) if entropy else empty())  # (N,), (N,)
-        ctx.mark_non_differentiable(entropy)
-        return nll, entropy
-
-    @staticmethod
-    def backward(ctx, grad_nll, grad_entropy):
-        h, weight, dz = ctx.saved_tensors
-        g = 4 * grad_nll[:, None]                                               # (N, 1); 4: dz holds a quarter
-        grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
-        grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
-        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None, None
-
-def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False, packed=None):
-    "Per-row -log p(target) (N,), float32 or wider, for h (N, d), unembedding weight (V, d), targets (N,); and the entropy. `packed`: a PackedLinear of weight to use (else one is made for N >= PACK_MIN_ROWS)."
-    if h.ndim != 2 or targets.shape != h.shape[:1]:
-        raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
-    if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
-        budget = 2**22 if h.device.type == "cpu" else 2**28
-        chunk_rows = max(1, budget // weight.shape[0])
-    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows), packed)
-    return (nll, entropy) if with_entropy else nll
-
 # %% ../nbs/02_model.ipynb #47da1254
 def unembed(self: GPT, h, softcap=True):
-    "float32 logits (..., vocab_size) from hidden states h (..., n_embd)."
-    logits = F.linear(h, self.lm_head.weight[: self.config.vocab_size]).float()   # (..., V)
-    return self.softcap * torch.tanh(logits / self.softcap) if softcap else logits
+    "float32 logits (..., vocab_size) from hidden states h (..., n_embd), softcapped unless softcap=False."
+    logits = self.lm_head(h)[..., : self.config.vocab_size].float()          # (..., V): the padding rows dropped
+    if not softcap:
+        return logits
+    return self.softcap * torch.tanh(logits / self.softcap)
 
-def frozen_unembed(self: GPT):
-    "unembed(h, softcap=False) through a packed head (the block's inside `packed_weights`), for repeated calls while the weights stay the same."
-    head = self.lm_head.pack or PackedLinear(self.lm_head.weight[: self.config.vocab_size])
-    return lambda h: head(h).float()                                            # (b, d) -> (b, V)
-
-def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
-    "Logits (B, T, vocab) without targets; else cross-entropy (ignore_index=-1) reduced by `loss_reduction`, and with_entropy the per-position entropies (B*T,)."
-    if targets is None and with_entropy: raise ValueError("with_entropy needs targets: the entropy comes with the loss")
-    h = self.hidden(idx, kv_cache)                                              # (B, T, d)
-    if targets is None: return self.unembed(h)
+def check_loss_request(idx, targets, loss_reduction, with_entropy):
+    "Raise a ValueError where `forward`'s targets, loss_reduction and with_entropy don't fit together."
+    if targets is None:
+        if with_entropy:
+            raise ValueError("with_entropy needs targets: the entropy comes with the loss")
+        return
     if loss_reduction not in ("mean", "sum", "none"):
         raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
-    if targets.shape != idx.shape: raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
-    flat_targets = targets.reshape(-1)                                          # (B*T,)
-    keep = (flat_targets != -1).nonzero().squeeze(1)                           # (N,)
-    h_kept = h.reshape(-1, h.size(-1)).index_select(0, keep)                   # (N, d)
-    losses, entropy = softcapped_nll(h_kept, self.lm_head.weight[: self.config.vocab_size], flat_targets.index_select(0, keep),
-                                     self.softcap, with_entropy=True, packed=self.lm_head.pack)  # (N,), (N,)
-    if loss_reduction == "mean": loss = losses.mean()
-    elif loss_reduction == "sum": loss = losses.sum()
-    else: loss = losses.new_zeros(flat_targets.shape[0]).index_copy(0, keep, losses)
-    if not with_entropy: return loss
-    return loss, entropy.new_zeros(flat_targets.shape[0]).index_copy(0, keep, entropy)  # (B*T,) entropies
-GPT.unembed, GPT.frozen_unembed, GPT.forward = unembed, frozen_unembed, forward
+    if targets.shape != idx.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
+
+def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
+    "Logits (B, T, V); with targets the cross-entropy by `loss_reduction` and, with_entropy, the entropies (B*T,)."
+    check_loss_request(idx, targets, loss_reduction, with_entropy)
+    logits = self.unembed(self.hidden(idx, kv_cache))                           # (B, T, V) float32, softcapped
+    if targets is None:
+        return logits
+    logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)  # (B*T, V), (B*T,)
+    loss = F.cross_entropy(logits, targets, ignore_index=-1, reduction=loss_reduction)
+    if not with_entropy:
+        return loss
+    logp = F.log_softmax(logits.detach(), dim=-1)                               # (B*T, V)
+    entropy = -(logp.exp() * logp).sum(-1)                                      # (B*T,)
+    return loss, entropy.masked_fill(targets == -1, 0.0)
+GPT.unembed, GPT.forward = unembed, forward
 
 # %% ../nbs/02_model.ipynb #ed44e270
 def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):

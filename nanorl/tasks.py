@@ -301,7 +301,7 @@ def _split_of(question: str, test_fraction: float) -> str:
     "A question's split, from a stable hash of its text."
     return "test" if zlib.crc32(question.encode()) % 1000 < test_fraction * 1000 else "train"
 
-def _apply(op: str, x: int, y: int) -> int:
+def _integer_step(op: str, x: int, y: int) -> int:
     "One calculator step on integers."
     return x + y if op == "+" else x - y if op == "-" else x * y
 
@@ -344,11 +344,11 @@ def _make(self, rng: random.Random) -> dict | None:
         sentences, chain = [rng.choice(_START[None]).format(a=value, **words)], []
     for _ in range(steps):
         op, b = rng.choice(ops), draw()
-        chain.append((op, value, b)); value = _apply(op, value, b)
+        chain.append((op, value, b)); value = _integer_step(op, value, b)
         sentences.append(rng.choice(_STEP[op]).format(b=b, **words))
-    if any(not 0 <= _apply(o, x, y) <= self.max_answer for o, x, y in chain): return None  # every step in range
+    if any(not 0 <= _integer_step(o, x, y) <= self.max_answer for o, x, y in chain): return None  # every step in range
     sentences.append(rng.choice(_ASK).format(**words))
-    lines = [f"{x}{o}{y} = <<{x}{o}{y}={_apply(o, x, y)}>>{_apply(o, x, y)}" for o, x, y in chain]
+    lines = [f"{x}{o}{y} = <<{x}{o}{y}={_integer_step(o, x, y)}>>{_integer_step(o, x, y)}" for o, x, y in chain]
     return {"question": " ".join(sentences), "answer": "\n".join(lines) + f"\n#### {value}", "steps": chain, "value": value}
 
 Arithmetic._make = _make

@@ -2,6 +2,7 @@
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import nanorl.fast_cpu  # noqa: F401  the trainer's CPU fast paths are part of the hot paths
 import nanorl.model as M
 from nanorl.engine import Engine
 from nanorl.tokenizer import Tokenizer

@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from nanorl.demo import (DemoConfig, HELD_OUT_PROBLEMS, TRAIN_PROBLEMS, before_after, make_control_tasks, make_tasks,
-                         run_demo, run_rl)
-from nanorl.train import Config
+from nanorl.demo import DemoConfig, before_after, make_control_tasks, run_demo, run_rl
+from nanorl.train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +53,13 @@ def test_zero_advantage_control_does_not_rise(runs):
 
 
 def test_training_set_size_is_not_a_setting():
-    "The trainer builds the tasks from its own Config, so the training-set size is a module constant, not a DemoConfig field."
-    with pytest.raises(TypeError, match="num_problems"): DemoConfig(num_problems=10)
-    train_task, held_out = make_tasks(Config(seed=0))
-    assert (len(train_task), len(held_out)) == (TRAIN_PROBLEMS, HELD_OUT_PROBLEMS)
-    assert len(make_control_tasks(Config(seed=0))[0]) == TRAIN_PROBLEMS
+    "The demo trains on --task arithmetic, whose sizes are the trainer's constants, not DemoConfig fields."
+    with pytest.raises(TypeError, match="num_problems"):
+        DemoConfig(num_problems=10)
+    cfg = Config(task="arithmetic", seed=0)
+    train_task, held_out = make_tasks(cfg)
+    assert (len(train_task), len(held_out)) == (ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS)
+    assert len(make_control_tasks(cfg)[0]) == ARITHMETIC_PROBLEMS
 
 
 def test_run_directory(runs):

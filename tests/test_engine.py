@@ -1,35 +1,14 @@
 "Engine and calculator checks against nanochat's fixtures and the no-cache reference (tiny models, a few seconds)."
 import ast, hashlib, json, math, random, threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest, torch
-import nanorl.model
+from doubles import BiasedModel, ScriptedModel, load_fixture_model, tool_bias
+import nanorl.fast_cpu as fast_cpu  # the engine's CPU fast paths, switched on for the whole file
 
 from nanorl.engine import Engine, reference_generate, sample_next_token, use_calculator, row_key, gumbel_noise
-from nanorl.model import GPT, GPTConfig
-from nanorl.tokenizer import Tokenizer
 
 FIX = Path(__file__).parent / "fixtures" / "nanochat"
-GENERATIONS = {"head": ("d3", "current"), "oct2025": ("d2", "oct2025")}
-
-@pytest.fixture(scope="module")
-def tok(): return Tokenizer.from_directory(FIX / "tokenizer")
-
-def load_fixture_model(gen):
-    "The fixture model through checkpoint.load_model when available, else built from its state dict."
-    tag, generation = GENERATIONS[gen]
-    try:
-        from nanorl.checkpoint import load_model
-        model, _, _ = load_model("sft", "cpu", model_tag=tag, step=0, base_dir=FIX / gen)
-        return model.eval()
-    except ImportError: pass
-    d = FIX / gen / "chatsft_checkpoints" / tag
-    model = GPT(GPTConfig(**json.loads((d / "meta_000000.json").read_text())["model_config"], generation=generation))
-    sd = torch.load(d / "model_000000.pt", weights_only=True)
-    model.load_state_dict({k.removeprefix("_orig_mod."): v.float() for k, v in sd.items()})
-    return model.eval()
-
 # ---------------------------------------------------------------- calculator
 CALC = json.loads((FIX / "calculator.json").read_text())["cases"]
 
@@ -117,40 +96,6 @@ def test_greedy_equals_nanochat(gen, tok):
     cols = [c for c, _ in eng.generate(prefix, num_samples=2, max_tokens=24, temperature=0.0)]
     assert cols == json.loads((FIX / f"reference_{gen}.json").read_text())["engine"]["greedy"]["stream_columns"]
 
-class ScriptedCache:
-    "Per row: which script it follows, its position in it and its last proposal (moves with prefill_rows/select_rows)."
-    def __init__(self, batch_size):
-        self.row, self.pointer, self.proposal, self.seqlens = [None] * batch_size, [0] * batch_size, [None] * batch_size, [0] * batch_size
-    @property
-    def batch_size(self): return len(self.row)
-    def prefill_rows(self, other, rows):
-        for r in rows: self.pointer[r], self.proposal[r], self.seqlens[r] = other.pointer[0], other.proposal[0], other.seqlens[0]
-    def select_rows(self, index):
-        index = [int(i) for i in index]
-        for name in ("row", "pointer", "proposal", "seqlens"): setattr(self, name, [getattr(self, name)[i] for i in index])
-        return self
-
-class ScriptedModel:
-    "The fixture's fake model: row r proposes script[r][i] (logit 10); i advances past sampled (not forced) tokens."
-    def __init__(self, scripts, vocab_size, end_token):
-        self.scripts, self.end_token, self.softcap = scripts, end_token, None
-        self.config = SimpleNamespace(sequence_len=256, vocab_size=vocab_size)
-    def get_device(self): return torch.device("cpu")
-    def new_kv_cache(self, batch_size, seq_len=None, dtype=None): return ScriptedCache(batch_size)
-    def hidden(self, idx, kv_cache):
-        props = []
-        for b in range(idx.shape[0]):
-            if kv_cache.seqlens[b] == 0: row, i = 0, 0
-            else:
-                if kv_cache.row[b] is None: kv_cache.row[b] = b
-                kv_cache.pointer[b] += idx[b, -1].item() == kv_cache.proposal[b]
-                row, i = kv_cache.row[b], kv_cache.pointer[b]
-            p = self.scripts[row][i] if i < len(self.scripts[row]) else self.end_token
-            kv_cache.proposal[b] = p; kv_cache.seqlens[b] += idx.shape[1]; props.append(p)
-        return torch.tensor(props, dtype=torch.float32).view(-1, 1, 1).expand(-1, idx.shape[1], 1)
-    def unembed(self, h, softcap=True):
-        return torch.zeros(*h.shape[:-1], self.config.vocab_size).scatter_(-1, h.long(), 10.0)
-
 def test_tool_script_replay(tok):
     script = json.loads((FIX / "engine_tool_script.json").read_text())
     for case in script["cases"]:
@@ -166,27 +111,9 @@ def test_tool_script_replay(tok):
     assert "<|output_start|>10<|output_end|>" in tok.decode(seqs[0])
 
 # ---------------------------------------------------------------- engine vs the no-cache reference
-class BiasedModel(torch.nn.Module):
-    "A GPT with a fixed bias on its raw logits (makes tool calls and stops frequent)."
-    def __init__(self, base, bias):
-        super().__init__()
-        self.base, self.bias, self.config, self.softcap, self.lm_head = base, bias, base.config, base.softcap, base.lm_head
-    def get_device(self): return self.base.get_device()
-    def new_kv_cache(self, *a, **kw): return self.base.new_kv_cache(*a, **kw)
-    def hidden(self, idx, kv_cache=None): return self.base.hidden(idx, kv_cache)
-    def unembed(self, h, softcap=True):
-        raw = self.base.unembed(h, softcap=False) + self.bias
-        return self.softcap * torch.tanh(raw / self.softcap) if softcap else raw
-    def forward(self, idx): return self.unembed(self.hidden(idx))
-
 @pytest.fixture(scope="module")
 def tool_model(tok):
-    bias = torch.zeros(tok.get_vocab_size())
-    for t in ["<|python_start|>", "<|python_end|>"]: bias[tok.encode_special(t)] = 9.0
-    bias[tok.encode_special("<|assistant_end|>")] = 5.0
-    for s in "123456789": bias[tok.encode(s)[0]] = 10.0
-    for s in "+*": bias[tok.encode(s)[0]] = 8.0
-    return BiasedModel(load_fixture_model("head"), bias)
+    return BiasedModel(load_fixture_model("head"), tool_bias(tok))
 
 @pytest.fixture(scope="module")
 def prompt(tok):
@@ -297,24 +224,26 @@ def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, pro
     assert (seqs, masks) == reference_generate(model, tok, prompt, min_new_tokens=6, **kw)
 
 # ---------------------------------------------------------------- the packed head
-def test_frozen_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch):
-    import nanorl.engine as engine
+def test_packed_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch):
     model = load_fixture_model("head")
     h = torch.randn(5, model.config.n_embd)
-    with torch.no_grad(): assert torch.allclose(model.frozen_unembed()(h), model.unembed(h, softcap=False), atol=1e-4)
-    packs = []
-    real = GPT.frozen_unembed
-    monkeypatch.setattr(GPT, "frozen_unembed", lambda self: packs.append(1) or real(self))
+    monkeypatch.setattr(fast_cpu, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
+    with torch.no_grad(), fast_cpu.packed_weights(model):
+        assert model.lm_head.pack is not None
+        packed = model.unembed(h, softcap=False)
+    with torch.no_grad(): assert torch.allclose(packed, model.unembed(h, softcap=False), atol=1e-4)
+    packs, real = [], fast_cpu.PackedLinear
+    monkeypatch.setattr(fast_cpu, "PackedLinear", lambda weight: packs.append(tuple(weight.shape)) or real(weight))
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
-    eng.generate_batch(prompt, 2, engine.PACK_MIN_TOKENS - 1, seed=1)
+    eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS - 1, seed=1)
     assert packs == []                                                   # too short to pay for packing
-    eng.generate_batch(prompt, 2, engine.PACK_MIN_TOKENS, seed=1)
-    assert packs == [1]                                                  # once per generate call
+    eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS, seed=1)
+    assert packs.count((model.config.vocab_size, model.config.n_embd)) == 1   # the head, once per generate call
 
 def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
     model = load_fixture_model("head")
     mlp = model.transformer.h[0].mlp.c_fc
-    monkeypatch.setattr(nanorl.model, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
+    monkeypatch.setattr(fast_cpu, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
     seen = []
     real = Engine.pick_tokens
     monkeypatch.setattr(Engine, "pick_tokens", lambda self, *a, **k: seen.append(mlp.pack is not None) or real(self, *a, **k))

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from doubles import base_dir, records, checkpoints_of, weights
 from nanorl.checkpoint import CheckpointError, load_model
+from nanorl.rollout import Sampling
 from nanorl.train import Config, NonFiniteError, check_writable, complete_steps, main, make_tasks, rollout, train, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,19 +17,9 @@ GSM8K_FIXTURE = ROOT / "tests" / "fixtures" / "gsm8k"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SMALL = ["--device-type", "cpu", "--examples-per-step", "2", "--num-samples", "4", "--device-batch-size", "4",
          "--max-new-tokens", "12", "--eval-every", "3", "--eval-examples", "2", "--save-every", "2",
-         "--task", "toy_task:make_tasks", "--matrix-lr", "0.05", "--init-lr-frac", "1.0", "--seed", "7"]
+         "--task", "doubles:toy_tasks", "--matrix-lr", "0.05", "--init-lr-frac", "1.0", "--seed", "7"]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
        "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-
-
-def base_dir(tmp_path, name):
-    "A nanochat base directory holding the tiny fixture checkpoint and tokenizer."
-    d = tmp_path / name
-    shutil.copytree(FIXTURE, d)
-    return d
-
-
-def run_dir(base): return base / "chatrl_checkpoints" / "d3"
 
 
 def train_cmd(base, *args, launcher=None):
@@ -39,12 +31,6 @@ def train_cmd(base, *args, launcher=None):
 def check(p):
     assert p.returncode == 0, f"run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
-
-
-def records(base, drop_timing=True):
-    "metrics.jsonl records, without the timing fields (t_*) that differ between runs."
-    recs = [json.loads(l) for l in (run_dir(base) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("t_")} for r in recs] if drop_timing else recs
 
 
 def assert_same_tensors(a, b, where=""):
@@ -62,13 +48,13 @@ def assert_same_tensors(a, b, where=""):
 
 def assert_same_run_end(a, b, step, ranks=1):
     "Two runs end with identical weights, optimizer state (one file, from rank 0), resume step of every rank, and metrics."
-    load = lambda base, name: torch.load(run_dir(base) / name, weights_only=True)
+    load = lambda base, name: torch.load(checkpoints_of(base) / name, weights_only=True)
     assert_same_tensors(load(a, f"model_{step:06d}.pt"), load(b, f"model_{step:06d}.pt"), "model")
     assert_same_tensors(load(a, f"optim_{step:06d}_rank0.pt"), load(b, f"optim_{step:06d}_rank0.pt"), "optim")
     for r in range(ranks):
         assert load(a, f"resume_{step:06d}_rank{r}.pt")["step"] == load(b, f"resume_{step:06d}_rank{r}.pt")["step"] == step + 1
-    assert not any(any(run_dir(x).glob("optim_*_rank1.pt")) for x in (a, b)), "the optimizer state is written once, by rank 0"
-    assert records(a) == records(b)
+    assert not any(any(checkpoints_of(x).glob("optim_*_rank1.pt")) for x in (a, b)), "the optimizer state is written once, by rank 0"
+    assert records(a, drop_timing=True) == records(b, drop_timing=True)
 
 
 def wait_for_checkpoint(directory, proc, ranks=1, timeout=120):
@@ -91,17 +77,17 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     check(subprocess.run(train_cmd(whole, *steps), env=ENV, capture_output=True, text=True, timeout=300))
     proc = subprocess.Popen(train_cmd(cut, *steps), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        killed_after = wait_for_checkpoint(run_dir(cut), proc)
+        killed_after = wait_for_checkpoint(checkpoints_of(cut), proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None: proc.kill()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert killed_after < 7 and not (run_dir(cut) / "model_000007.pt").exists()
+    assert killed_after < 7 and not (checkpoints_of(cut) / "model_000007.pt").exists()
     p = check(subprocess.run(train_cmd(cut, *steps, "--resume"), env=ENV, capture_output=True, text=True, timeout=300))
     assert "resuming at step" in p.stdout
     assert_same_run_end(whole, cut, 7)
-    assert [r["step"] for r in records(cut)] == list(range(8))
+    assert [r["step"] for r in records(cut, drop_timing=True)] == list(range(8))
 
 
 # ---------------------------------------------------------------- fault tolerance under torchrun
@@ -130,7 +116,7 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path):
     proc = subprocess.Popen(train_cmd(cut, *steps, launcher=launcher(3)), env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_checkpoint(run_dir(cut), proc, ranks=2)
+        wait_for_checkpoint(checkpoints_of(cut), proc, ranks=2)
         os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
     finally:
@@ -142,22 +128,21 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path):
 
 # ---------------------------------------------------------------- in-process runs
 
-def small_config(base, **kw):
+def run_config(base, **kw):
     "The small settings as a Config (in-process runs)."
     return Config(**{"device_type": "cpu", "base_dir": str(base), "examples_per_step": 2, "num_samples": 4,
                      "device_batch_size": 4, "max_new_tokens": 12, "eval_every": 100, "eval_examples": 2,
-                     "save_every": 1, "task": "toy_task:make_tasks", "matrix_lr": 0.05, "init_lr_frac": 1.0,
+                     "save_every": 1, "task": "doubles:toy_tasks", "matrix_lr": 0.05, "init_lr_frac": 1.0,
                      "seed": 7, "num_steps": 3, **kw})
 
 
-def weights(base, step): return torch.load(run_dir(base) / f"model_{step:06d}.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
 def one_step(tmp_path_factory):
     "Weights after one optimizer step of the small run (a 1-step run saves step 0), and its records."
     base = base_dir(tmp_path_factory.mktemp("one"), "base")
-    recs = train(small_config(base, num_steps=1))
+    recs = train(run_config(base, num_steps=1))
     return weights(base, 0), recs
 
 
@@ -166,14 +151,14 @@ def one_step(tmp_path_factory):
 def test_resume_skips_incomplete_and_corrupt_checkpoints(tmp_path):
     "A newest checkpoint missing a file, then one with a corrupt model file: --resume takes the last complete, readable step."
     base = base_dir(tmp_path, "run")
-    full = train(small_config(base, num_steps=4))                                  # checkpoints 1, 2, 3
-    d = run_dir(base)
+    full = train(run_config(base, num_steps=4))                                  # checkpoints 1, 2, 3
+    d = checkpoints_of(base)
     (d / "resume_000003_rank0.pt").unlink()                                         # killed before its last file
     (d / "model_000002.pt").write_bytes((d / "model_000002.pt").read_bytes()[:1000])  # cut short
     assert complete_steps(d, 1) == [2, 1]
     for name in ("model_000003.pt", "meta_000003.json", "optim_000003_rank0.pt"): (d / name).unlink()
     with pytest.warns(UserWarning, match="cannot resume from step 2"):
-        again = train(small_config(base, num_steps=4, resume=True))
+        again = train(run_config(base, num_steps=4, resume=True))
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("t_")} for r in rs]
     assert strip(again) == strip(full), "resuming from step 1 must redo steps 2 and 3 exactly"
 
@@ -181,8 +166,8 @@ def test_resume_skips_incomplete_and_corrupt_checkpoints(tmp_path):
 def test_load_model_takes_last_complete_checkpoint(tmp_path):
     "load_model skips a newest step whose meta is missing or whose model file is corrupt, and says so."
     base = base_dir(tmp_path, "run")
-    train(small_config(base, num_steps=3))                                         # checkpoints 1, 2
-    d = run_dir(base)
+    train(run_config(base, num_steps=3))                                         # checkpoints 1, 2
+    d = checkpoints_of(base)
     (d / "meta_000002.json").unlink()
     with pytest.warns(UserWarning, match="skipping incomplete checkpoint step 2"):
         _, _, meta = load_model("rl", "cpu", base_dir=base)
@@ -211,7 +196,7 @@ def test_atomic_save_leaves_old_file_or_nothing(tmp_path, monkeypatch):
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, one_step):
     "A step whose rewards are nan is skipped (no update) and counted in `skipped`; training goes on."
     base = base_dir(tmp_path, "run")
-    recs = train(small_config(base, num_steps=3, task="toy_task:make_nan_step1_tasks"))
+    recs = train(run_config(base, num_steps=3, task="doubles:make_nan_step1_tasks"))
     assert [r["skipped"] for r in recs] == [0, 1, 1]
     assert [r["grad_norm"] != r["grad_norm"] for r in recs] == [False, True, False]
     assert_same_tensors(weights(base, 1), one_step[0], "weights after the skipped step")   # as after step 0
@@ -222,11 +207,11 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, capsys):
     "--max-bad-steps non-finite steps in a row stop the run with a message; the records show the skipped steps."
     base = base_dir(tmp_path, "run")
     with pytest.raises(NonFiniteError, match="2 steps in a row had a non-finite loss or gradient"):
-        train(small_config(base, num_steps=5, max_bad_steps=2, task="toy_task:make_all_nan_tasks"))
-    assert [r["skipped"] for r in records(base)] == [1, 2]
+        train(run_config(base, num_steps=5, max_bad_steps=2, task="doubles:make_all_nan_tasks"))
+    assert [r["skipped"] for r in records(base, drop_timing=True)] == [1, 2]
     with pytest.raises(SystemExit, match="nanorl.train: error: 2 steps in a row"):
         main(["--base-dir", str(base_dir(tmp_path, "cli")), *SMALL, "--num-steps", "5", "--max-bad-steps", "2",
-              "--task", "toy_task:make_all_nan_tasks"])
+              "--task", "doubles:make_all_nan_tasks"])
 
 
 # ---------------------------------------------------------------- out of memory in rollouts
@@ -248,13 +233,13 @@ def test_rollout_oom_halves_then_restores(tmp_path, monkeypatch, one_step):
     monkeypatch.setattr(Engine, "generate_many", flaky)
     monkeypatch.setattr(T, "rollout", tracked)
     base = base_dir(tmp_path, "run")
-    recs = train(small_config(base, num_steps=1, rollout_rows=8))
+    recs = train(run_config(base, num_steps=1, rollout_rows=8))
     assert calls == [8, 4, 4] and recs[0]["rollout_rows"] == 4
     assert_same_tensors(weights(base, 0), one_step[0], "weights after a halved rollout")
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_rows"}
     assert strip(recs[0]) == strip(one_step[1][0])
     calls.clear()
-    recs = train(small_config(base_dir(tmp_path, "two"), num_steps=3, rollout_rows=8))
+    recs = train(run_config(base_dir(tmp_path, "two"), num_steps=3, rollout_rows=8))
     assert calls == [8, 4, 4, 4, 4, 8] and [r["rollout_rows"] for r in recs] == [4, 4, 8]   # next step at 4, then 8 again
 
 
@@ -268,7 +253,7 @@ def test_evaluation_oom_halves_and_gives_the_same_result(tmp_path, monkeypatch, 
         return real(self, prompts, num_samples=num_samples, **kw)
     monkeypatch.setattr(Engine, "generate_many", flaky)
     base = base_dir(tmp_path, "run")
-    recs = train(small_config(base, num_steps=1, rollout_rows=8))
+    recs = train(run_config(base, num_steps=1, rollout_rows=8))
     assert calls[:3] == [2, 1, 1], calls                       # 2 eval prompts per call, then 1 and 1
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_rows"}
     assert strip(recs[0]) == strip(one_step[1][0])
@@ -282,7 +267,7 @@ def test_rollout_oom_at_one_prompt_is_a_clear_error():
     class Engine:
         def generate_many(self, prompts, **kw): raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
     with pytest.raises(torch.OutOfMemoryError, match="lower --num-samples or --max-new-tokens"):
-        rollout(Engine(), Tokenizer(), [{}] * 4, [0, 1, 2, 3], 4, 8, 1.0, 0, [1, 2, 3, 4], max_rows=16)
+        rollout(Engine(), Tokenizer(), [{}] * 4, [0, 1, 2, 3], Sampling(4, 8, 1.0, 0), [1, 2, 3, 4], max_rows=16)
 
 
 # ---------------------------------------------------------------- bad inputs: a clear error before any work

@@ -24,9 +24,6 @@ SAMPLE_TEXTS = ["Hello world!", " 12345678 apples", "tab\tnew\nline  spaces", "Ã
                 "<|bos|> and <|assistant_end|> are text here", "#### 72", "x" * 500]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_directory(NANOCHAT / "tokenizer")
 
 
 def gsm8k_texts():

@@ -6,25 +6,18 @@ import pytest
 import torch
 
 import nanorl.train as T
+from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, weights
 from nanorl.checkpoint import load_model
 from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "nanochat" / "head"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SMALL = ["--examples-per-step", "2", "--num-samples", "4", "--device-batch-size", "4", "--max-new-tokens", "12",
-         "--eval-every", "100", "--eval-examples", "4", "--save-every", "100", "--task", "toy_task:make_tasks",
+         "--eval-every", "100", "--eval-examples", "4", "--save-every", "100", "--task", "doubles:toy_tasks",
          "--matrix-lr", "0.05", "--init-lr-frac", "1.0", "--seed", "7"]
 
 
-def base_dir(tmp_path, name):
-    "A nanochat base directory holding the tiny fixture checkpoint and tokenizer."
-    d = tmp_path / name
-    shutil.copytree(FIXTURE, d)
-    return d
-
-
-def run(nproc, base, *args):
+def torchrun_train(nproc, base, *args):
     "Run nanorl.train under torchrun with `nproc` CPU ranks; fail the test with its output if it fails."
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -35,18 +28,10 @@ def run(nproc, base, *args):
     return p
 
 
-def records(base):
-    return [json.loads(l) for l in (base / "chatrl_checkpoints" / "d3" / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(base, step):
-    return torch.load(base / "chatrl_checkpoints" / "d3" / f"model_{step:06d}.pt", weights_only=True)
-
-
 def test_two_ranks_train_and_agree(tmp_path):
     "2 gloo ranks: finite losses, rewards with signal, identical parameters (checked by the trainer), a loadable checkpoint."
     base = base_dir(tmp_path, "ddp")
-    run(2, base, "--num-steps", "3", "--save-every", "2")
+    torchrun_train(2, base, "--num-steps", "3", "--save-every", "2")
     recs = records(base)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in recs)
@@ -68,8 +53,8 @@ def test_two_ranks_train_and_agree(tmp_path):
 def test_one_rank_equals_two_ranks(tmp_path, norm):
     "One rank with the whole batch and two ranks with half each make the same update."
     one, two = base_dir(tmp_path, "one"), base_dir(tmp_path, "two")
-    run(1, one, "--num-steps", "1", "--loss-norm", norm)
-    run(2, two, "--num-steps", "1", "--loss-norm", norm)
+    torchrun_train(1, one, "--num-steps", "1", "--loss-norm", norm)
+    torchrun_train(2, two, "--num-steps", "1", "--loss-norm", norm)
     assert records(one)[0]["reward"] == records(two)[0]["reward"], "rollouts must not depend on the rank layout"
     w1, w2 = weights(one, 0), weights(two, 0)
     start = torch.load(FIXTURE / "chatsft_checkpoints" / "d3" / "model_000000.pt", weights_only=True)
@@ -88,16 +73,16 @@ def test_bad_settings_fail_before_work(tmp_path):
     assert p.returncode != 0
     assert "nanorl.train: error: --examples-per-step 3 must be divisible by the number of ranks (2)" in p.stderr
     with pytest.raises(ValueError, match=r"expected checkpoints for source 'sft' in .*nothing.*found no such directory"):
-        train(Config(base_dir=str(tmp_path / "nothing"), task="toy_task:make_tasks", device_type="cpu"))
+        train(Config(base_dir=str(tmp_path / "nothing"), task="doubles:toy_tasks", device_type="cpu"))
 
 
 # ---------------------------------------------------------------- in-process runs of each option (smoke size)
 
-def small_config(base, **kw):
+def step_config(base, **kw):
     "One step of the small run, in-process; evaluation at step 0 only."
     return Config(**{"device_type": "cpu", "base_dir": str(base), "examples_per_step": 4, "num_samples": 4,
                      "device_batch_size": 2, "max_new_tokens": 8, "eval_every": 100, "eval_examples": 2,
-                     "save_every": 100, "task": "toy_task:make_tasks", "matrix_lr": 0.05, "init_lr_frac": 1.0,
+                     "save_every": 100, "task": "doubles:toy_tasks", "matrix_lr": 0.05, "init_lr_frac": 1.0,
                      "seed": 2, "num_steps": 1, **kw})       # seed 2: one of the 4 groups has no signal
 
 
@@ -114,7 +99,7 @@ def max_change(a, b): return max((a[k].float() - b[k].float()).abs().max().item(
 def baseline(tmp_path_factory):
     "The small run with nanochat's defaults: (records, weights)."
     base = base_dir(tmp_path_factory.mktemp("baseline"), "base")
-    return train(small_config(base)), run_weights(base)
+    return train(step_config(base)), run_weights(base)
 
 
 @pytest.mark.parametrize("option", [dict(advantage="zscore"), dict(advantage="rloo"),
@@ -124,7 +109,7 @@ def test_option_trains(tmp_path, monkeypatch, baseline, option):
     kinds, real_normalizer = [], T.loss_normalizer
     monkeypatch.setattr(T, "loss_normalizer", lambda kind, **kw: kinds.append(kind) or real_normalizer(kind, **kw))
     base = base_dir(tmp_path, "run")
-    recs = train(small_config(base, **option))
+    recs = train(step_config(base, **option))
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"], r["entropy"], r["sampled_nll"]])).all() for r in recs)
     assert recs[0]["reward"] == baseline[0][0]["reward"], "the option must not change the samples"
     assert kinds == [option.get("loss_norm", "nanochat")]
@@ -140,7 +125,7 @@ def load_fixture(): return torch.load(FIXTURE / "chatsft_checkpoints" / "d3" / "
 
 def test_skip_zero_signal_gives_the_same_update(tmp_path, baseline):
     "--skip-zero-signal leaves the no-signal passes out but counts them in the normalizer: the weights are bitwise the same."
-    recs = train(small_config(base := base_dir(tmp_path, "skip"), skip_zero_signal=True))
+    recs = train(step_config(base := base_dir(tmp_path, "skip"), skip_zero_signal=True))
     assert recs[0]["zero_signal_frac"] > 0, "the test needs a step with a zero-signal group"
     assert recs[0]["loss"] == baseline[0][0]["loss"]
     w = run_weights(base)
@@ -152,7 +137,7 @@ def test_skip_zero_signal_when_every_group_is_skipped(tmp_path):
     runs = {}
     for skip in (False, True):
         base = base_dir(tmp_path, f"zero{int(skip)}")
-        recs = train(small_config(base, task="toy_task:make_zero_tasks", num_steps=2, weight_decay=0.1, skip_zero_signal=skip))
+        recs = train(step_config(base, task="doubles:make_zero_tasks", num_steps=2, weight_decay=0.1, skip_zero_signal=skip))
         assert all(r["zero_signal_frac"] == 1 and r["loss"] == 0 for r in recs)
         runs[skip] = run_weights(base)
     assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False])
@@ -162,7 +147,7 @@ def test_skip_zero_signal_when_every_group_is_skipped(tmp_path):
 def test_cosine_schedule_and_logged_lr(tmp_path):
     "The logged lr is the lm_head group's base rate x init_lr_frac x the schedule, for linear and cosine."
     from nanorl.model import GPT  # noqa: F401  (setup_optimizers is patched onto GPT)
-    cfg = small_config(base_dir(tmp_path, "cos"), num_steps=3, lr_schedule="cosine", init_lr_frac=0.5)
+    cfg = step_config(base_dir(tmp_path, "cos"), num_steps=3, lr_schedule="cosine", init_lr_frac=0.5)
     recs = train(cfg)
     model, _, _ = load_model("sft", "cpu", base_dir=cfg.base_dir)
     base_lr = model.setup_optimizers(unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr,
@@ -174,7 +159,7 @@ def test_cosine_schedule_and_logged_lr(tmp_path):
 
 def test_bfloat16_on_cpu(tmp_path):
     "--dtype bfloat16 runs rollouts, evaluation and the update under CPU autocast."
-    recs = train(small_config(base := base_dir(tmp_path, "bf16"), dtype="bfloat16"))
+    recs = train(step_config(base := base_dir(tmp_path, "bf16"), dtype="bfloat16"))
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"], r["pass@1"]])).all() for r in recs)
     assert "first@1" in recs[0], "nanochat's first@k is logged beside pass@k"
     assert max_change(run_weights(base), load_fixture()) > 1e-5
@@ -183,11 +168,11 @@ def test_bfloat16_on_cpu(tmp_path):
 def test_kl_reference_is_the_source_model_after_resume(tmp_path):
     "--kl-coef changes the update once the policy has moved; a resumed run's KL reference is the source checkpoint."
     base, plain = base_dir(tmp_path, "kl"), base_dir(tmp_path, "plain")
-    recs = train(small_config(base, num_steps=2, save_every=1, kl_coef=0.5))
-    train(small_config(plain, num_steps=2))
+    recs = train(step_config(base, num_steps=2, save_every=1, kl_coef=0.5))
+    train(step_config(plain, num_steps=2))
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in recs)
     assert max_change(run_weights(base), run_weights(plain)) > 1e-7, "the KL term did not change the second update"
-    policy = load_policy(small_config(base, num_steps=3, kl_coef=0.5, resume=True), torch.device("cpu"), 1, 0)
+    policy = load_policy(step_config(base, num_steps=3, kl_coef=0.5, resume=True), torch.device("cpu"), 1, 0)
     assert policy.resume["step"] == 2
     source, trained = load_fixture(), run_weights(base)
     ref = policy.reference.state_dict()
@@ -201,7 +186,12 @@ def test_kl_reference_is_the_source_model_after_resume(tmp_path):
 def test_config_preset_applies_in_train(tmp_path, monkeypatch):
     "train(Config(preset=...)) runs the preset's settings for every field left at its default."
     seen = []
-    monkeypatch.setattr(T, "_train", lambda cfg, rank, world, device: seen.append(cfg) or [])
+    class Recorder:
+        def __init__(self, cfg, rank, world, device, tasks):
+            seen.append(cfg)
+        def run(self):
+            return []
+    monkeypatch.setattr(T, "Trainer", Recorder)
     train(Config(preset="demo", base_dir=str(tmp_path), num_samples=4))
     cfg = seen[0]
     demo = T.PRESETS["demo"]

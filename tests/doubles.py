@@ -1,0 +1,264 @@
+"""The project's one module of test doubles and fixture loaders, shared by the notebooks and the tests.
+
+Notebooks import it with `sys.path.insert(0, "../tests")`; pytest finds it in tests/. Training tests name its task
+factories on the command line: `--task doubles:toy_tasks`.
+"""
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NANOCHAT_HEAD = FIXTURES / "nanochat" / "head"     # tiny nanochat checkpoint (d3, random weights) and tokenizer
+
+
+# ---------------------------------------------------------------- nanochat's fixtures
+
+def nanochat_tokenizer():
+    "The tokenizer nanochat's own code trained for the fixtures."
+    from nanorl.tokenizer import Tokenizer
+    return Tokenizer.from_directory(FIXTURES / "nanochat" / "tokenizer")
+
+
+# ---------------------------------------------------------------- training runs on the tiny fixture checkpoint
+
+def base_dir(tmp_path, name):
+    "A nanochat base directory holding the tiny fixture checkpoint and tokenizer."
+    d = tmp_path / name
+    shutil.copytree(NANOCHAT_HEAD, d)
+    return d
+
+
+def checkpoints_of(base):
+    "Where a run on the fixture base directory writes its checkpoints."
+    return base / "chatrl_checkpoints" / "d3"
+
+
+def records(base, drop_timing=False):
+    "The run's metrics.jsonl records (with drop_timing, without the t_* fields that differ between runs)."
+    recs = [json.loads(line) for line in (checkpoints_of(base) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("t_")} for r in recs] if drop_timing else recs
+
+
+def weights(base, step):
+    "The model state a run saved at `step`."
+    return torch.load(checkpoints_of(base) / f"model_{step:06d}.pt", weights_only=True)
+
+
+# ---------------------------------------------------------------- tasks a random-weight model can vary the reward of
+
+ROWS = [json.loads(l) for l in (Path(__file__).parent / "fixtures" / "gsm8k" / "train.jsonl").read_text().splitlines()]
+
+
+class LengthTask:
+    "GSM8K questions; a completion earns 1 when its length in characters is a multiple of 3."
+    def __len__(self): return len(ROWS)
+    def __getitem__(self, i):
+        return {"messages": [{"role": "user", "content": ROWS[i]["question"]}, {"role": "assistant", "content": ROWS[i]["answer"]}]}
+    def evaluate(self, conversation, completion): return len(completion) % 3 == 0
+    def reward(self, conversation, completion): return float(self.evaluate(conversation, completion))
+
+
+class NanLengthTask(LengthTask):
+    "The toy task, but the reward of the problems in `nan_problems` (all when None) is nan: a broken reward function."
+    def __init__(self, nan_problems=None):
+        self.nan_questions = None if nan_problems is None else {ROWS[i]["question"] for i in nan_problems}
+    def reward(self, conversation, completion):
+        q = conversation["messages"][0]["content"]
+        return float("nan") if self.nan_questions is None or q in self.nan_questions else super().reward(conversation, completion)
+
+
+def toy_tasks(cfg):
+    "(train, held-out): the same toy task."
+    return LengthTask(), LengthTask()
+
+
+def make_nan_step1_tasks(cfg):
+    "Problems 2 and 3 (step 1 at 2 examples per step) have a nan reward."
+    return NanLengthTask({2, 3}), LengthTask()
+
+
+def make_all_nan_tasks(cfg):
+    "Every reward is nan."
+    return NanLengthTask(), LengthTask()
+
+
+class ZeroLengthTask(LengthTask):
+    "The toy task with every reward 0: every group has no signal."
+    def reward(self, conversation, completion): return 0.0
+
+
+def make_zero_tasks(cfg):
+    "Every reward is 0."
+    return ZeroLengthTask(), LengthTask()
+
+
+class SplitToyTask:
+    "The protocol's minimum, built per split as `--task doubles:SplitToyTask` does: no evaluate, 1 for an 'ok'."
+    def __init__(self, split="train"): self.rows = ROWS[:8] if split == "train" else ROWS[8:12]
+    def __len__(self): return len(self.rows)
+    def __getitem__(self, i):
+        question = self.rows[i]["question"]
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "ok"}]}
+    def reward(self, conversation, completion): return float(completion.strip() == "ok")
+
+
+class NoRewardTask(SplitToyTask):
+    "Misses the protocol's reward."
+    reward = None
+
+
+# ---------------------------------------------------------------- pass@k without a model: tokenizer, task and engine
+
+class ToyTokenizer:
+    "Prompts are [difficulty, answer]; ids decode to their digits."
+    def render_for_completion(self, conversation): return [conversation["difficulty"], conversation["answer"]]
+    def decode(self, ids): return "".join(str(i) for i in ids)
+
+
+class ToyTask:
+    "Problem i: difficulty i % 10, answer i % 7; a completion is right when it is the answer."
+    def __init__(self, size): self.size = size
+    def __len__(self): return self.size
+    def __getitem__(self, i): return {"difficulty": i % 10, "answer": i % 7}
+    def evaluate(self, conversation, text): return text == str(conversation["answer"])
+
+
+class ToyEngine:
+    "Right with probability difficulty/10, drawn from (prompt seed, sample index) only, as the real engine promises."
+    def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
+        seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        seqs = []
+        for prompt, s in zip(prompts, seeds):
+            difficulty, answer = prompt
+            for j in range(num_samples):
+                right = random.Random(s * 1_000_003 + j).random() < difficulty / 10
+                seqs.append(prompt + [answer if right else (answer + 1) % 7])
+        return seqs, [[0, 0, 1] for _ in seqs]
+
+
+# ---------------------------------------------------------------- a tiny trained model: the demo's SFT checkpoint
+
+def demo_sft(device="cpu"):
+    "(model, tokenizer) of the demo's SFT model on Arithmetic, from tests/fixtures/demo_sft (see fixtures/README.md)."
+    from nanorl.checkpoint import load_model
+    model, tokenizer, _ = load_model("sft", device, model_tag="d3", base_dir=FIXTURES / "demo_sft")
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------- models for the engine: fixtures, scripted, biased
+
+FIXTURE_TAGS = {"head": ("d3", "current"), "oct2025": ("d2", "oct2025")}   # fixture folder -> (tag, generation)
+
+
+def load_fixture_model(gen):
+    "nanochat's tiny fixture model of one generation ('head' or 'oct2025'), loaded as a checkpoint, in eval mode."
+    from nanorl.checkpoint import load_model
+    tag, generation = FIXTURE_TAGS[gen]
+    model, _, _ = load_model("sft", "cpu", model_tag=tag, step=0, base_dir=FIXTURES / "nanochat" / gen,
+                             generation=generation)
+    return model.eval()
+
+
+class ScriptedCache:
+    "Stands in for a KVCache: per row, which script it follows, its pointer into it, and its last proposal."
+    def __init__(self, batch_size, seq_len=None):
+        self.row, self.pointer, self.proposal = [None] * batch_size, [0] * batch_size, [None] * batch_size
+        self.seqlens, self.max_seq_len = [0] * batch_size, seq_len
+
+    @property
+    def batch_size(self):
+        return len(self.row)
+
+    def get_pos(self):
+        return max(self.seqlens, default=0)
+
+    def prefill_rows(self, other, rows):
+        for r in rows:
+            self.pointer[r], self.proposal[r], self.seqlens[r] = other.pointer[0], other.proposal[0], other.seqlens[0]
+
+    def select_rows(self, index):
+        index = [int(i) for i in index]
+        for name in ("row", "pointer", "proposal", "seqlens"):
+            setattr(self, name, [getattr(self, name)[i] for i in index])
+        return self
+
+
+class ScriptedModel:
+    """A fake model: row r proposes script[r][i] with logit 10 (0 elsewhere), and i advances when the fed token is
+    the proposal (sampled, not forced). The batch-1 prefill proposes script[0][0]; exhausted scripts propose the end."""
+    def __init__(self, scripts, vocab_size, end_token, sequence_len=256):
+        from types import SimpleNamespace
+        self.scripts, self.end_token, self.softcap = scripts, end_token, None
+        self.config = SimpleNamespace(sequence_len=sequence_len, vocab_size=vocab_size)
+
+    def get_device(self):
+        return torch.device("cpu")
+
+    def new_kv_cache(self, batch_size, seq_len=None, dtype=None):
+        return ScriptedCache(batch_size, seq_len)
+
+    def _propose(self, row, i):
+        script = self.scripts[row]
+        return script[i] if i < len(script) else self.end_token
+
+    def hidden(self, idx, kv_cache=None):
+        "Each row's proposal as a (B, T, 1) 'hidden state'."
+        B, T = idx.shape
+        props = []
+        for b in range(B):
+            if kv_cache.seqlens[b] == 0:                                   # prefill
+                p = self._propose(0, 0)
+            else:
+                if kv_cache.row[b] is None:                                # first decode step: rows are in order
+                    kv_cache.row[b] = b
+                if idx[b, -1].item() == kv_cache.proposal[b]:
+                    kv_cache.pointer[b] += 1
+                p = self._propose(kv_cache.row[b], kv_cache.pointer[b])
+            kv_cache.proposal[b] = p
+            kv_cache.seqlens[b] += T
+            props.append(p)
+        return torch.tensor(props, dtype=torch.float32).view(B, 1, 1).expand(B, T, 1)
+
+    def unembed(self, h, softcap=True):
+        "Logit 10 on each row's proposal, 0 elsewhere: (B, T, V)."
+        logits = torch.zeros(*h.shape[:-1], self.config.vocab_size)
+        return logits.scatter_(-1, h.long(), 10.0)
+
+
+class BiasedModel(torch.nn.Module):
+    "Wraps a GPT and adds a fixed bias to its raw logits (makes tool calls frequent in a tiny random model)."
+    def __init__(self, base, bias):
+        super().__init__()
+        self.base, self.bias, self.config, self.softcap, self.lm_head = base, bias, base.config, base.softcap, base.lm_head
+
+    def get_device(self):
+        return self.base.get_device()
+
+    def new_kv_cache(self, *args, **kwargs):
+        return self.base.new_kv_cache(*args, **kwargs)
+
+    def hidden(self, idx, kv_cache=None):
+        return self.base.hidden(idx, kv_cache)
+
+    def unembed(self, h, softcap=True):
+        raw = self.base.unembed(h, softcap=False) + self.bias
+        return self.softcap * torch.tanh(raw / self.softcap) if softcap else raw
+
+    def forward(self, idx):
+        return self.unembed(self.hidden(idx))
+
+
+def tool_bias(tok):
+    "A logit bias toward calculator calls, digits, + and * and the end token, for BiasedModel."
+    bias = torch.zeros(tok.get_vocab_size())
+    for t in ["<|python_start|>", "<|python_end|>"]:
+        bias[tok.encode_special(t)] = 9.0
+    bias[tok.encode_special("<|assistant_end|>")] = 5.0
+    for s in "123456789":
+        bias[tok.encode(s)[0]] = 10.0
+    for s in "+*":
+        bias[tok.encode(s)[0]] = 8.0
+    return bias

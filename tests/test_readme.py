@@ -1,0 +1,162 @@
+"""Every shell command the README shows runs here at a tiny size, and the README's course map matches the notebooks."""
+import dataclasses, json, os, re, subprocess, sys, zipfile
+from pathlib import Path
+
+import pytest
+
+from doubles import base_dir, records
+from nanorl.checkpoint import load_model
+from nanorl.train import Config
+from test_layout import notebook_modules
+from test_train import ROOT, TORCHRUN
+
+README, INDEX = ROOT / "README.md", ROOT / "nbs" / "index.ipynb"
+GSM8K_SLICE = ROOT / "tests" / "fixtures" / "gsm8k"
+QUICK_START = {"make demo", "make test"}  # CI runs them; every other command is run by the test named here
+COVERED = {
+    "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --run=my_run": "test_torchrun_lines",
+    "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --data-dir=/data/gsm8k": "test_torchrun_lines",
+    "python -m nanorl.train --help": "test_train_help",
+    "python3 -m venv .venv && .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128":
+        "test_gpu_setup",
+    "make setup CONSTRAINTS=": "test_gpu_setup",
+}
+OFFLINE = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+
+
+def shell_commands(markdown):
+    "The command lines of the markdown's bash/sh/shell/console blocks, words joined by one space, comments dropped."
+    commands = []
+    for lang, body in re.findall(r"^```(bash|sh|shell|console)[ \t]*\n(.*?)^```", markdown, flags=re.M | re.S):
+        for line in body.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if lang == "console":
+                if not line.startswith("$ "): continue     # a console block's other lines are output
+                line = line[2:]
+            line = re.sub(r"(^|\s)#.*", "", line).strip()    # a comment starts at a '#' that begins a word
+            if line: commands.append(" ".join(line.split()))
+    return commands
+
+
+def index_markdown(): return "\n\n".join("".join(c["source"]) for c in json.loads(INDEX.read_text())["cells"]
+                                         if c["cell_type"] == "markdown")
+
+
+def commands_of(test_name):
+    "The README commands that `test_name` runs."
+    return [c for c, t in COVERED.items() if t == test_name]
+
+
+def run_or_fail(cmd, cwd=ROOT, env=None, timeout=300):
+    "Run one argv list; fail the test with its output unless it succeeds."
+    p = subprocess.run(cmd, cwd=cwd, env={**os.environ, **OFFLINE, **(env or {})}, capture_output=True, text=True,
+                       timeout=timeout)
+    shown = " ".join(map(str, cmd))
+    assert p.returncode == 0, f"{shown} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return p
+
+
+def test_every_readme_command_is_covered():
+    "The README's commands are exactly the quick start plus the mapping's keys, and each maps to a test of this file."
+    shown = shell_commands(README.read_text())
+    assert shown == shell_commands(index_markdown()), "README.md is out of date: run `make readme`"
+    assert QUICK_START <= set(shown), f"the quick-start commands {QUICK_START} are no longer shown"
+    uncovered, stale = set(shown) - QUICK_START - set(COVERED), set(COVERED) - set(shown)
+    assert not uncovered, f"README shows commands no test runs: {sorted(uncovered)}; add them to COVERED with a test"
+    assert not stale, f"COVERED lists commands the README no longer shows: {sorted(stale)}"
+    assert all(callable(globals().get(t)) for t in COVERED.values())
+
+
+def test_shell_commands_parsing():
+    "Comments, continuations, console prompts and other languages' blocks are handled."
+    md = ("```bash\nmake a   # note\nfoo \\\n  --x=1  # more\n```\n```python\nprint(1)\n```\n"
+          "```console\n$ ls -l\noutput line\n```\n```\nnot/a/command\n```\n")
+    assert shell_commands(md) == ["make a", "foo --x=1", "ls -l"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("line", commands_of("test_torchrun_lines"))
+def test_torchrun_lines(tmp_path, line, nproc):
+    "The README's torchrun line as written, with `nproc` gloo ranks, the tiny fixture checkpoint and smoke settings."
+    # the Hub is offline here: the GSM8K slice in tests/fixtures stands in for it (and for /data/gsm8k)
+    base = base_dir(tmp_path, "base")
+    words = line.split()
+    assert words[:2] == ["torchrun", "--standalone"] and "--nproc_per_node=8" in words
+    words = [TORCHRUN if w == "torchrun" else f"--nproc_per_node={nproc}" if w == "--nproc_per_node=8"
+             else w.replace("/data/gsm8k", str(GSM8K_SLICE)) for w in words]
+    tiny = ["--device-type", "cpu", "--base-dir", str(base), "--preset", "smoke", "--num-steps", "1"]
+    if "--data-dir" not in line: tiny += ["--data-dir", str(GSM8K_SLICE)]
+    run_or_fail([*words, *tiny], cwd=tmp_path)
+    ckpt = base / "chatrl_checkpoints" / "d3"
+    assert sorted(p.name for p in ckpt.glob("resume_*")) == [f"resume_000000_rank{r}.pt" for r in range(nproc)]
+    recs = records(base)
+    assert [r["step"] for r in recs] == [0] and "pass@1" in recs[0]
+    _, _, meta = load_model("rl", "cpu", base_dir=base)
+    assert meta["step"] == 0
+    if "--run=my_run" in line:   # only a named run starts (here: disabled) wandb, so the name reached nanorl.train
+        assert (ckpt / "wandb_run_id").is_file()
+
+
+def test_train_help():
+    "`python -m nanorl.train --help` (with this interpreter) lists every field of the trainer's Config as a flag."
+    (line,) = commands_of("test_train_help")
+    words = line.split()
+    assert words[0] == "python"
+    out = run_or_fail([sys.executable, *words[1:]]).stdout
+    missing = [f.name for f in dataclasses.fields(Config) if f"--{f.name.replace('_', '-')}" not in out]
+    assert not missing, f"--help does not show {missing}"
+
+
+def stand_in_index(root, name="torch", version="2.13.0+cu128"):
+    "A local package index holding one tiny importable wheel, standing in for the CUDA index (no network here)."
+    dist, files = f"{name}-{version}.dist-info", {f"{name}/__init__.py": f"__version__ = {version!r}\n"}
+    files[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    files[f"{dist}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: nanorl-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    wheel = root / name / f"{name}-{version}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items(): z.writestr(path, text)
+    (root / name / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n')
+    return root.as_uri() + "/"
+
+
+def test_gpu_setup(tmp_path):
+    "The GPU set-up: a venv with its own torch, then `make setup CONSTRAINTS=` installing nanorl without pinning it."
+    # No network here: a local index with a stand-in torch wheel replaces the CUDA index, and `make setup` runs as a
+    # dry run (installing nanorl's dependencies would need PyPI); it must keep the venv and not pin (replace) torch.
+    venv_line, make_line = commands_of("test_gpu_setup")
+    steps = [s.split() for s in venv_line.split(" && ")]
+    assert steps[0] == ["python3", "-m", "venv", ".venv"] and steps[1][:3] == [".venv/bin/pip", "install", "torch"]
+    url = steps[1][steps[1].index("--index-url") + 1]
+    local = stand_in_index(tmp_path / "index")
+    steps[1] = [local if w == url else w for w in steps[1]]
+    pip_env = {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    for step in steps: run_or_fail(step, cwd=tmp_path, env=pip_env, timeout=180)
+    venv = tmp_path / ".venv"
+    got = run_or_fail([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"]).stdout.strip()
+    assert got == "2.13.0+cu128"
+
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    def dry_run(*words):
+        "The recipe lines `make -n` prints for the set-up into the stand-in venv."
+        p = subprocess.run(["make", "-n", *words, f"VENV={venv}"], cwd=ROOT, env=make_env, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+    assert make_line.split()[:2] == ["make", "setup"]
+    pinned, unpinned = dry_run("setup"), dry_run(*make_line.split()[1:])
+    install = [l for l in unpinned.splitlines() if '-e ".[dev]"' in l]
+    assert len(install) == 1 and "-c " not in install[0] and "constraints" not in install[0], unpinned
+    assert f"test -x {venv}/bin/python ||" in unpinned, "an existing venv must be kept"
+    assert "-c constraints.txt" in pinned, "without CONSTRAINTS= the set-up pins torch"
+
+
+# ---------------------------------------------------------------- the course map
+
+def test_course_map_lists_every_notebook():
+    "The README's course table lists exactly the numbered notebooks, in order, each with the module it exports."
+    rows = re.findall(r"^\| `(\d\d_\w+)` \| `(\w+)` \|", README.read_text(), flags=re.M)
+    assert [n for n, _ in rows] == sorted(n for n, _ in rows), "the course table is not in notebook order"
+    expected = sorted((f"{num:02d}_{mod}", mod) for mod, num in notebook_modules().items())
+    assert rows == expected, f"the README's course table lists {rows}, the notebooks are {expected}"
