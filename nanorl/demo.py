@@ -17,7 +17,7 @@ from .checkpoint import save_checkpoint
 from .engine import Engine
 from .tasks import Arithmetic
 from .evaluate import evaluate_pass_at_k
-from .rollout import Sampling
+from .rollout import Sampling, collate
 from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks, train
 
 # %% auto #0
@@ -99,16 +99,8 @@ def fresh_model(tokenizer: Tokenizer, dc: DemoConfig) -> GPT:
 
 # %% ../nbs/13_demo.ipynb #3e8373e9
 def sft_batch(rows, indices):
-    "(inputs, targets), each (B, T-1), from rendered (ids, mask) rows; targets are -1 where the mask is 0 or past the end."
-    T = max(len(rows[i][0]) for i in indices)
-    inputs = torch.zeros((len(indices), T - 1), dtype=torch.long)
-    targets = torch.full((len(indices), T - 1), -1, dtype=torch.long)
-    for b, i in enumerate(indices):
-        ids, mask = torch.tensor(rows[i][0]), torch.tensor(rows[i][1])
-        n = len(ids) - 1
-        inputs[b, :n] = ids[:-1]
-        targets[b, :n] = torch.where(mask[1:] == 1, ids[1:], -1)
-    return inputs, targets
+    "(inputs, targets), each (B, T-1), from rendered (ids, mask) rows: the rollout's `collate` (notebook 08), 0-padded."
+    return collate([rows[i][0] for i in indices], [rows[i][1] for i in indices], pad_id=0)
 
 # %% ../nbs/13_demo.ipynb #732d6235
 def sampled_accuracy(model, tokenizer, task, dc: DemoConfig) -> float:

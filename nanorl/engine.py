@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'sample_next_token', 'mix32', 'row_key', 'step_key',
            'seeds_per_prompt', 'gumbel_noise', 'reference_generate', 'RowState', 'context_limit', 'Engine', 'softcap',
-           'pick_tokens', 'sample_full_vocab', 'stop_ids', 'run_calculator', 'advance_row', 'check_request',
-           'new_stats', 'prefill', 'decode_steps', 'generate', 'generate_many', 'generate_batch']
+           'new_stats']
 
 # %% ../nbs/05_engine.ipynb #301f3865
 import math, numbers, operator, time
 from collections import deque
 import torch, torch.nn.functional as F
+from fastcore.basics import patch
 from .model import KVCache
 from .calculator import use_calculator
 
@@ -156,8 +156,9 @@ def softcap(model, x):
 
 NOISE_CHUNK_ELEMENTS = 1 << 21  # full-vocabulary sampling: at most this many (row, token) noise values at a time
 
+@patch
 @torch.no_grad()
-def pick_tokens(self, raw, keys, step, temperature=1.0, top_k=None, suppress_stop=False):
+def pick_tokens(self: Engine, raw, keys, step, temperature=1.0, top_k=None, suppress_stop=False):
     "Next token id (b,) from raw (not softcapped) logits (b, V): greedy, or Gumbel-max over the top_k candidates with per-row noise."
     V = raw.size(-1)
     if suppress_stop: raw = raw.index_fill(-1, self.stop_ids(raw.device), float("-inf"))  # (b, V), the input untouched
@@ -174,7 +175,8 @@ def pick_tokens(self, raw, keys, step, temperature=1.0, top_k=None, suppress_sto
         return idx.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
     return self.sample_full_vocab(raw, keys, step, temperature, suppress_stop)
 
-def sample_full_vocab(self, raw, keys, step, temperature, suppress_stop=False):
+@patch
+def sample_full_vocab(self: Engine, raw, keys, step, temperature, suppress_stop=False):
     "Gumbel-max over the whole vocabulary (b,), a chunk of rows at a time: a row's noise ignores other rows, so chunks change no sample."
     b, V = raw.shape
     hashes, picks = self.token_hash(V, raw.device)[None], raw.new_empty(b, dtype=torch.long)   # (1, V), (b,)
@@ -185,15 +187,14 @@ def sample_full_vocab(self, raw, keys, step, temperature, suppress_stop=False):
         picks[s:s + rows] = scores.argmax(dim=-1)
     return picks
 
-def stop_ids(self, device):
+@patch
+def stop_ids(self: Engine, device):
     "The stop tokens' ids as a tensor on `device`."
     return torch.tensor(sorted(self.stop_tokens), dtype=torch.long, device=device)
-Engine.stop_ids = stop_ids
-Engine.pick_tokens = pick_tokens
-Engine.sample_full_vocab = sample_full_vocab
 
 # %% ../nbs/05_engine.ipynb #a37d7033
-def run_calculator(self, state):
+@patch
+def run_calculator(self: Engine, state):
     "Close the row's python block: evaluate it and queue <|output_start|> result <|output_end|> as forced tokens; None if empty, else whether it succeeded."
     expr, state.expr, state.in_python = state.expr, [], False
     if not expr: return None
@@ -201,19 +202,19 @@ def run_calculator(self, state):
     if result is None: return False
     state.forced.extend([self.output_start, *self.tokenizer.encode(str(result)), self.output_end])
     return True
-Engine.run_calculator = run_calculator
 
-def advance_row(self, state, token, live=True):
+@patch
+def advance_row(self: Engine, state, token, live=True):
     "Feed one emitted token through a row's tool state machine (nested python_start restarts the expression); only live rows count tool calls."
     if token == self.python_start: state.in_python, state.expr = True, []
     elif token == self.python_end and state.in_python:
         ok = self.run_calculator(state)
         if live and ok is not None: self.last_stats["tool_calls"] += 1; self.last_stats["tool_errors"] += not ok
     elif state.in_python: state.expr.append(token)
-Engine.advance_row = advance_row
 
 # %% ../nbs/05_engine.ipynb #b8a71f69
-def check_request(self, prompts, num_samples, max_tokens, temperature, seed):
+@patch
+def check_request(self: Engine, prompts, num_samples, max_tokens, temperature, seed):
     "Validate a generation request; returns (max_tokens, one seed per prompt)."
     if not isinstance(prompts, (list, tuple)) or not prompts: raise ValueError(f"expected a non-empty list of prompts, got {prompts!r}")
     for i, p in enumerate(prompts):
@@ -228,14 +229,14 @@ def check_request(self, prompts, num_samples, max_tokens, temperature, seed):
     if longest + max_tokens > limit:
         raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's {limit} positions")
     return max_tokens, seeds_per_prompt(seed, len(prompts))
-Engine.check_request = check_request
 
 def new_stats(n_prompts, n_rows):
     "Counters for one generation call (Engine.last_stats)."
     return dict(prompts=n_prompts, rows=n_rows, prefill_tokens=0, decode_steps=0, forward_rows=0, sampled_tokens=0,
                 forced_tokens=0, tool_calls=0, tool_errors=0, finished_rows=0, rows_retired=0, compactions=0)
 
-def prefill(self, prompts, num_samples, cache):
+@patch
+def prefill(self: Engine, prompts, num_samples, cache):
     "Run each distinct prompt once at batch 1 and copy its cache into its sample rows; last hidden states (B, d)."
     device, heads, seen = self.model.get_device(), [], {}
     for p, prompt in enumerate(prompts):
@@ -248,11 +249,11 @@ def prefill(self, prompts, num_samples, cache):
         cache.prefill_rows(one, list(range(p * num_samples, (p + 1) * num_samples)))
         heads.append(h.expand(num_samples, -1))
     return torch.cat(heads)                                                             # (B, d)
-Engine.prefill = prefill
 
 # %% ../nbs/05_engine.ipynb #cc21dab3
+@patch
 @torch.no_grad()
-def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens=0):
+def decode_steps(self: Engine, prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens=0):
     "The decoding loop: yields (row ids, token column, mask column) per step; with `retire` finished rows get id -1."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples
@@ -300,18 +301,18 @@ def decode_steps(self, prompts, num_samples, max_tokens, temperature, top_k, see
         h = model.hidden(x.view(-1, 1), kv_cache=cache)[:, -1]                          # (b, d)
         stats["decode_steps"] += 1; stats["forward_rows"] += len(rows)
     stats["generated_tokens"] = stats["sampled_tokens"] + stats["forced_tokens"]
-Engine.decode_steps = decode_steps
 
 # %% ../nbs/05_engine.ipynb #ca00eba6
-def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
+@patch
+def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
     "Stream (token_column, token_masks) lists of num_samples tokens per step, like nanochat (finished rows keep decoding)."
     max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
     for _, col, masks in self.decode_steps([tokens], num_samples, max_tokens, temperature, top_k, seeds, retire=False,
                                            min_new_tokens=min_new_tokens):
         yield col, masks
-Engine.generate = generate
 
-def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
+@patch
+def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
     "num_samples completions of each prompt in one batch; flat (sequences, masks) grouped by prompt. seed: int (prompt p uses seed + p) or one int per prompt."
     max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
     out = [[] for _ in range(len(prompts) * num_samples)]
@@ -323,9 +324,8 @@ def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0
     sequences = [list(prompts[r // num_samples]) + out[r] for r in range(len(out))]
     masks = [[0] * len(prompts[r // num_samples]) + out_masks[r] for r in range(len(out))]
     return sequences, masks
-Engine.generate_many = generate_many
 
-def generate_batch(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
+@patch
+def generate_batch(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, min_new_tokens=0):
     "nanochat's generate_batch: (sequences, masks) = prompt + tokens up to the first <|assistant_end|>/<|bos|>; mask 0 on prompt and tool output."
     return self.generate_many([tokens], num_samples, max_tokens, temperature, top_k, [seed], min_new_tokens)
-Engine.generate_batch = generate_batch

@@ -118,8 +118,8 @@ def packed_weights(model: GPT):
     for m in opened:
         weight = m.weight[: model.config.vocab_size] if m is model.lm_head else m.weight
         on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if on_cpu and onednn_pays(*weight.shape):                               # else F.linear, as outside a block
-            m.pack = PackedLinear(weight)
+        if on_cpu and (m is model.lm_head or onednn_pays(*weight.shape)):        # else F.linear, as outside a block
+            m.pack = PackedLinear(weight)                                       # the head: decode steps always pay
     try:
         yield model
     finally:
@@ -195,8 +195,9 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     keep = (flat_targets != -1).nonzero().squeeze(1)                           # (N,) the trained positions
     h_kept = h.reshape(-1, h.size(-1)).index_select(0, keep)                   # (N, d)
     head = self.lm_head.weight[: self.config.vocab_size]                       # (V, d)
+    packed = self.lm_head.pack if onednn_pays(*head.shape) else None           # the loss: where measured faster
     losses, entropy = softcapped_nll(h_kept, head, flat_targets.index_select(0, keep), self.softcap,
-                                     with_entropy=True, packed=self.lm_head.pack)  # (N,), (N,)
+                                     with_entropy=True, packed=packed)          # (N,), (N,)
     if loss_reduction == "mean":
         loss = losses.mean()
     elif loss_reduction == "sum":

@@ -47,12 +47,12 @@ def loss_normalizer(normalization: str, *, num_tokens=None, num_sequences=None, 
 
 # %% ../nbs/09_loss.ipynb #d57ee7b7
 def surrogate(logp: torch.Tensor, adv: torch.Tensor, old_logp: torch.Tensor | None = None,
-              clip_eps: float = 0.2, clip_eps_high: float | None = None) -> torch.Tensor:
+              clip_eps: float | tuple[float, float] = 0.2) -> torch.Tensor:
     "Per-token objective to maximize: logp * adv, or PPO's clipped ratio objective when `old_logp` is given."
     if old_logp is None: return logp * adv                                      # (B, T)
     ratio = torch.exp(logp - old_logp)                                          # (B, T)
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    return torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + high) * adv)
+    low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)
+    return torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
 
 # %% ../nbs/09_loss.ipynb #36fa28fe
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,8 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/09_loss.ipynb #c277cd65
 def pg_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, normalization: str = "token",
-            normalizer: float = 1.0, *, old_logp: torch.Tensor | None = None, clip_eps: float = 0.2,
-            clip_eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
+            normalizer: float = 1.0, *, old_logp: torch.Tensor | None = None,
+            clip_eps: float | tuple[float, float] = 0.2, ref_logp: torch.Tensor | None = None,
             kl_coef: float = 0.0) -> torch.Tensor:
     "This microbatch's share of the step's policy-gradient loss (to minimize), divided by `normalizer`."
     if normalization not in NORMALIZATIONS:
@@ -77,7 +77,7 @@ def pg_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, no
     clean = lambda x: None if x is None else torch.where(m, x, torch.zeros_like(x))
     logp, old_logp, ref_logp = clean(logp), clean(old_logp), clean(ref_logp)
     adv = advantages.to(logp.dtype)[:, None]                                    # (B, 1)
-    per_token = -surrogate(logp, adv, old_logp, clip_eps, clip_eps_high)       # (B, T)
+    per_token = -surrogate(logp, adv, old_logp, clip_eps)                      # (B, T)
     if kl_coef: per_token = per_token + kl_coef * kl_k3(logp, ref_logp)
     per_seq = torch.where(m, per_token, torch.zeros_like(per_token)).sum(dim=1)  # (B,)
     if normalization == "sequence": per_seq = per_seq / m.sum(dim=1).clamp(min=1)

@@ -84,10 +84,10 @@ def test_integer_mask_equals_bool_mask():
 
 
 def test_clip_high_only_affects_positive_side():
-    "clip_eps_high widens the upper bound: a ratio of 1.25 is clipped at 0.2 but not at 0.28."
+    "A (low, high) clip_eps widens the upper bound: a ratio of 1.25 is clipped at 0.2 but not at 0.28."
     logp = torch.zeros(1, 1, requires_grad=True)
     old = torch.log(torch.tensor([[1 / 1.25]]))
     m, adv = torch.ones(1, 1, dtype=torch.bool), torch.ones(1)
     g_low, = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=0.2), logp)
-    g_high, = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=0.2, clip_eps_high=0.28), logp)
+    g_high, = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=(0.2, 0.28)), logp)
     assert g_low.item() == 0 and g_high.item() == pytest.approx(-1.25)
