@@ -262,3 +262,110 @@ def tool_bias(tok):
     for s in "+*":
         bias[tok.encode(s)[0]] = 8.0
     return bias
+
+
+# ---------------------------------------------------------------- Hugging Face chat models: tiny folders made by transformers
+
+CHAT_TEMPLATES = FIXTURES / "chat_templates"      # real templates (see fixtures/chat_templates/README.md)
+HF_FAMILIES = {   # special tokens as the real tokenizers name them; bos/eos/pad as their tokenizer_config.json sets them
+    "qwen": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|im_end|>",
+                 pad="<|endoftext|>", template="qwen2.5.jinja", stops=["<|im_end|>", "<|endoftext|>"]),
+    "llama3": dict(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                             "<|eot_id|>"], bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
+                   template="llama3.jinja", stops=["<|end_of_text|>", "<|eot_id|>"]),
+}
+HF_KINDS = {"qwen2": "qwen", "qwen3": "qwen", "llama": "llama3"}   # model_type -> tokenizer family
+
+
+def gsm8k_corpus():
+    "Every question and answer of the GSM8K fixture files."
+    rows = [json.loads(l) for split in ("train", "test")
+            for l in (FIXTURES / "gsm8k" / f"{split}.jsonl").read_text().splitlines()]
+    return [r["question"] for r in rows] + [r["answer"] for r in rows]
+
+
+def tiny_hf_tokenizer(family, vocab_size=600):
+    "A transformers tokenizer: byte-level BPE trained on the GSM8K fixtures, the family's specials and real template."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    fam = HF_FAMILIES[family]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=fam["specials"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(gsm8k_corpus(), trainer)
+    if fam["bos"]:   # like Llama 3's tokenizer.json: bos prepended when special tokens are added
+        bos = (fam["bos"], tk.token_to_id(fam["bos"]))
+        tk.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B",
+                                                          special_tokens=[bos])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=fam["bos"], eos_token=fam["eos"], pad_token=fam["pad"])
+    tok.chat_template = (CHAT_TEMPLATES / fam["template"]).read_text()
+    return tok
+
+
+def tiny_hf_config(model_type, vocab_size, max_position_embeddings=512):
+    "A 2-layer, 64-wide transformers config: Qwen2 (biases, tied), Qwen3 (q/k norm, head_dim 32, one kv head), Llama 3."
+    import transformers
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=max_position_embeddings, initializer_range=0.15)
+    if model_type == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True,
+                                        rope_parameters=dict(rope_type="default", rope_theta=1e6))
+    if model_type == "qwen3":
+        return transformers.Qwen3Config(**common, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+                                        rope_parameters=dict(rope_type="default", rope_theta=1e6))
+    if model_type == "llama":
+        rope = dict(rope_type="llama3", rope_theta=50000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64)
+        return transformers.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, rope_parameters=rope)
+    raise ValueError(f"unknown model_type {model_type!r}")
+
+
+def save_tiny_hf_model(model_type, folder, dtype=torch.float32, max_shard_size=None, seed=0):
+    "A random transformers model (norm scales and biases perturbed) and its tokenizer saved into folder; (model, tok)."
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    tok = tiny_hf_tokenizer(HF_KINDS[model_type])
+    extra = 8 if model_type == "qwen2" else 0       # Qwen's embedding is wider than its tokenizer
+    config = tiny_hf_config(model_type, len(tok) + extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
+    fam = HF_FAMILIES[HF_KINDS[model_type]]
+    stops = [tok.convert_tokens_to_ids(t) for t in fam["stops"]]
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=stops, pad_token_id=tok.pad_token_id or stops[-1])
+    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.to(dtype).save_pretrained(folder, **shard)
+    tok.save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval(), tok
+
+
+def to_transformers4_layout(folder):
+    "Rewrite folder/config.json from transformers 5's `rope_parameters` to 4.x's `rope_theta` + `rope_scaling`."
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    path.write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def gsm8k_chat_conversations(n=56, system_every=4):
+    "n GSM8K fixture conversations as nanorl's task builds them, every system_every-th one led by a system message."
+    from nanorl.tasks import GSM8K
+    tasks = [GSM8K(split=split, data_dir=FIXTURES / "gsm8k") for split in ("train", "test")]
+    task = [t[i] for t in tasks for i in range(len(t))]
+    out = []
+    for i, conv in enumerate(task[:n]):
+        if i % system_every == 1:
+            system = {"role": "system", "content": f"You are a careful math tutor number {i}."}
+            conv = {"messages": [system] + conv["messages"]}
+        out.append(conv)
+    return out

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nanorl.tasks import (GSM8K, Arithmetic, RewardShaping, Task, answer_to_parts, check_row, conversation_text,
-                          extract_answer, find_local_gsm8k, gsm8k_conversation, load_gsm8k_rows, reference_answer)
+from nanorl.tasks import (GSM8K, Arithmetic, Difficulty, RewardShaping, Task, answer_to_parts, check_row,
+                          conversation_text, extract_answer, find_local_gsm8k, gsm8k_conversation, load_gsm8k_rows,
+                          reference_answer)
 
 FIX = Path(__file__).parent/"fixtures"
 FULL = Path(__file__).resolve().parents[1].parent/"shared"/"data"/"gsm8k"
@@ -27,7 +28,7 @@ def test_conversions_equal_nanochat():
 
 @pytest.mark.parametrize("case", GSM["cases"], ids=lambda c: f"{c['row']}-{c['kind']}")
 def test_cases_equal_nanochat(case):
-    task = GSM8K(rows=fixture_rows(), shuffle=False)
+    task = GSM8K.from_rows(fixture_rows(), seed=None)
     conv = task[case["row"]]
     assert extract_answer(case["completion"]) == case["extracted"]
     assert task.evaluate(conv, case["completion"]) == bool(case["evaluate"])
@@ -38,7 +39,7 @@ def test_cases_equal_nanochat(case):
 def test_rendering_equals_fixture_ids():
     tokmod = pytest.importorskip("nanorl.tokenizer")
     tok = tokmod.Tokenizer.from_directory(FIX/"nanochat"/"tokenizer")
-    task = GSM8K(split="train", data_dir=FIX/"gsm8k", shuffle=False)
+    task = GSM8K(split="train", data_dir=FIX/"gsm8k", seed=None)
     for i, e in enumerate(GSM["examples"]):
         conv = task[i]  # fixture slice = first 64 lines of train.jsonl, the fixture rows are its first 20
         ids, mask = tok.render_conversation(conv)
@@ -93,16 +94,16 @@ def test_local_layouts(tmp_path, monkeypatch):
     _write_parquet(rows[:5], tmp_path/"hub"/"socratic"/"train-00000-of-00001.parquet")
     want = [gsm8k_conversation(r["question"], r["answer"]) for r in rows]
     for d in [FIX/"gsm8k", tmp_path/"nanochat", tmp_path/"hub"]:
-        t = GSM8K(data_dir=d, shuffle=False)
+        t = GSM8K(data_dir=d, seed=None)
         assert [t[i] for i in range(len(t))] == want, d
     assert len(GSM8K(subset="socratic", data_dir=tmp_path/"hub")) == 5
     monkeypatch.setenv("NANORL_GSM8K_DIR", str(tmp_path/"hub"))
-    assert len(GSM8K(shuffle=False)) == 64
+    assert len(GSM8K(seed=None)) == 64
     monkeypatch.delenv("NANORL_GSM8K_DIR")
     # nanochat's own cache is found without any setting
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path/"nanochat"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert GSM8K(shuffle=False)[63] == want[63]
+    assert GSM8K(seed=None)[63] == want[63]
     assert find_local_gsm8k(tmp_path/"nanochat", "main", "test") is None
 
 
@@ -129,7 +130,7 @@ def test_save_to_disk_layout(tmp_path):
     import datasets
     rows = [json.loads(l) for l in (FIX/"gsm8k"/"test.jsonl").read_text().splitlines()]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path/"main"/"test"))
-    assert GSM8K(split="test", data_dir=tmp_path, shuffle=False)[3] == gsm8k_conversation(**rows[3])
+    assert GSM8K(split="test", data_dir=tmp_path, seed=None)[3] == gsm8k_conversation(**rows[3])
 
 
 def test_hub_path_uses_datasets(monkeypatch, tmp_path):
@@ -166,7 +167,8 @@ def test_offline_fails_fast_in_a_fresh_process(tmp_path):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="split must be"): load_gsm8k_rows("main", "val", data_dir=FIX/"gsm8k")
     with pytest.raises(ValueError, match="looked for"): GSM8K(split="train", data_dir=FIX/"nanochat")
-    with pytest.raises(ValueError, match="completion must be a str"): GSM8K(rows=fixture_rows()).evaluate(GSM["examples"][0]["conversation"], None)
+    with pytest.raises(ValueError, match="completion must be a str"):
+        GSM8K.from_rows(fixture_rows()).evaluate(GSM["examples"][0]["conversation"], None)
 
 
 # ---------------------------------------------------------------- malformed rows
@@ -178,10 +180,10 @@ def test_malformed_rows_counted_dropped_or_refused():
                                  {"question": "q", "answer": "x\n#### 1\n#### 2"},
                                  {"question": 3, "answer": "#### 1"}]
     with pytest.warns(UserWarning, match="6 of 10 rows are malformed"):
-        t = GSM8K(rows=rows, shuffle=False)
+        t = GSM8K.from_rows(rows, seed=None)
     assert len(t) == 4 and [i for i, _ in t.malformed] == [4, 5, 6, 7, 8, 9]
     assert [t[i] for i in range(4)] == [gsm8k_conversation(**r) for r in rows[:4]]
-    with pytest.raises(ValueError, match="malformed"): GSM8K(rows=rows, strict=True)
+    with pytest.raises(ValueError, match="malformed"): GSM8K.from_rows(rows, strict=True)
     # a conversation without a reference answer is refused, never rewarded (nanochat would give None == None -> 1)
     conv = gsm8k_conversation("q", "no marker")
     with pytest.raises(ValueError, match="reference answer"): t.reward(conv, "no answer either")
@@ -206,7 +208,7 @@ def test_numeric_mode_reads_formats_of_an_integer(n, fmt):
 
 
 def test_numeric_mode_reward_on_fixture_rows():
-    t = GSM8K(rows=fixture_rows(), shuffle=False, nanochat_compat=False)
+    t = GSM8K.from_rows(fixture_rows(), seed=None, nanochat_compat=False)
     conv = t[15]  # reference 448000
     for good in ["#### 448,000", "#### 448000.00", "#### 448000.", "####448000", "#### 4.48e5", "#### 1\n#### 448000"]:
         assert t.reward(conv, good) == 1.0, good
@@ -216,19 +218,20 @@ def test_numeric_mode_reward_on_fixture_rows():
 
 # ---------------------------------------------------------------- task interface and shaping
 def test_slicing_and_indexing():
-    t = GSM8K(rows=fixture_rows(), shuffle=False, start=2, stop=15, step=4)
+    t = GSM8K.from_rows(fixture_rows(), seed=None, start=2, stop=15, step=4)
     assert len(t) == 4 and t[1] == gsm8k_conversation(**fixture_rows()[6]) and t[-1] == t[3] and t.row_index(3) == 14
     with pytest.raises(IndexError): t[4]
     with pytest.raises(IndexError): t.row_index(4)
     assert t.row_index(-1) == 14 and t[-4] == t[0]
-    with pytest.raises(ValueError, match="step >= 1"): GSM8K(rows=fixture_rows(), step=0)
+    with pytest.raises(ValueError, match="step >= 1"): GSM8K.from_rows(fixture_rows(), step=0)
 
 
 def test_shaping_terms():
     conv = GSM["examples"][0]["conversation"]
-    plain = GSM8K(rows=fixture_rows())
+    plain = GSM8K.from_rows(fixture_rows())
     assert not plain.shaping_on and plain.reward_terms(conv, "#### 72") == {"correct": 1.0}
-    s = GSM8K(rows=fixture_rows(), shaping=RewardShaping(format_weight=0.2, length_weight=1.0, length_budget=10))
+    s = GSM8K.from_rows(fixture_rows(),
+                        shaping=RewardShaping(format_weight=0.2, length_weight=1.0, length_budget=10))
     assert s.reward_terms(conv, "#### 72") == {"correct": 1.0, "format": 0.2, "length": 0.0}
     terms = s.reward_terms(conv, "x" * 15 + "#### 7")     # 21 chars: 11 over a budget of 10 -> capped at -1
     assert terms == {"correct": 0.0, "format": 0.2, "length": -1.0} and s.reward(conv, "x" * 15 + "#### 7") == pytest.approx(-0.8)
@@ -240,7 +243,7 @@ def test_custom_reward_by_subclass():
         def reward_terms(self, conversation, completion):
             terms = super().reward_terms(conversation, completion)
             return dict(terms, tool=0.1 * ("<<" in completion))
-    t = Partial(rows=fixture_rows())
+    t = Partial.from_rows(fixture_rows())
     assert t.reward(GSM["examples"][0]["conversation"], "<<1+1=2>>\n#### 72") == pytest.approx(1.1)
 
 
@@ -261,7 +264,7 @@ def _solve(question):
 @pytest.mark.parametrize("kw", [dict(), dict(num_steps=3, max_value=50), dict(num_steps=1, ops="+"),
                                 dict(ops="*", max_answer=99), dict(num_steps=(2, 4), ops="+-", min_value=0)])
 def test_arithmetic_answers_are_right(kw):
-    t = Arithmetic(n=300, seed=3, **kw)
+    t = Arithmetic(n=300, seed=3, difficulty=Difficulty(**kw))
     lo, hi = t.num_steps
     assert len(t) == 300
     for i in range(len(t)):
@@ -295,8 +298,12 @@ def test_arithmetic_splits_and_corpus():
 
 
 def test_arithmetic_bad_knobs():
-    for kw, msg in [(dict(ops="+/"), "ops"), (dict(num_steps=0), "num_steps"), (dict(min_value=5, max_value=2), "min_value"),
-                    (dict(split="dev"), "split"), (dict(n=50, ops="*", min_value=40, max_value=40, max_answer=100), "could not make")]:
+    for kw, msg in [(dict(difficulty=Difficulty(ops="+/")), "ops"),
+                    (dict(difficulty=Difficulty(num_steps=0)), "num_steps"),
+                    (dict(difficulty=Difficulty(min_value=5, max_value=2)), "min_value"),
+                    (dict(split="dev"), "split"),
+                    (dict(n=50, difficulty=Difficulty(ops="*", min_value=40, max_value=40, max_answer=100)),
+                     "could not make")]:
         with pytest.raises(ValueError, match=msg): Arithmetic(**kw)
 
 
