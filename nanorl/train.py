@@ -25,8 +25,9 @@ from fastcore.basics import patch
 
 from .rollout import (Rollout, Sampling, Scores, collate, halve_after_oom, microbatches, rollout, sample_seeds,
                             score, step_examples)
-from .checkpoint import (CheckpointError, checkpoint_steps, get_base_dir, load_checkpoint, load_model,
-                               load_resume_state, save_checkpoint)
+from .checkpoint import (CheckpointError, checkpoint_steps, get_base_dir, hf_checkpoint_steps, load_checkpoint,
+                               load_hf_model, load_model, load_resume_state, save_checkpoint, save_hf_step)
+from .llama import Llama
 from .model import fast_matmul_dtype
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
@@ -59,8 +60,8 @@ class Config:
     embedding_lr: float = _flag(0.2, "base learning rate of the embeddings (AdamW)")
     unembedding_lr: float = _flag(0.004, "base learning rate of the lm_head (AdamW)")
     matrix_lr: float = _flag(0.02, "base learning rate of the transformer matrices (Muon)")
-    weight_decay: float = _flag(0.0, "weight decay of the Muon groups")
-    init_lr_frac: float = _flag(0.05, "the run starts at this fraction of the base learning rates")
+    weight_decay: float = _flag(0.0, "weight decay of the Muon groups (--model-path: of AdamW's matrices)")
+    init_lr_frac: float = _flag(0.05, "the run starts at this fraction of the base learning rates (not of --lr)")
     eval_every: int = _flag(60, "measure pass@k every N steps (and at the last step)")
     eval_examples: int = _flag(400, "held-out problems per evaluation")
     save_every: int = _flag(60, "write a checkpoint every N steps (and at the last step)")
@@ -68,6 +69,11 @@ class Config:
     preset: str | None = _flag(None, "named settings (demo, smoke) that fill every field left at its default")
     base_dir: str | None = _flag(None, "nanochat base directory (default $NANOCHAT_BASE_DIR, else ~/.cache/nanochat)")
     source: str = _flag("sft", "checkpoint family to start from: sft or rl")
+    model_path: str | None = _flag(None, "a Hugging Face model folder (Llama, Qwen2, Qwen3) to start from instead of "
+                                   "--source; checkpoints are then Hugging Face folders, "
+                                   "chatrl_checkpoints/<--model-tag or the folder's name>/step_<N>/")
+    lr: float = _flag(1e-6, "AdamW learning rate of a --model-path model, the rate the run starts at (1e-6 is the "
+                      "scale TRL's GRPO uses for such models); nanochat models use the per-group rates above")
     output_dir: str | None = _flag(None, "where chatrl_checkpoints/<tag>/ is written (default: the base directory)")
     task: str = _flag("gsm8k", "training task: gsm8k, countdown, arithmetic (the demo's synthetic task), or "
                       "module:factory, a function of the config returning (train task, held-out task)")
@@ -147,6 +153,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ValueError("--num-samples must be >= 2: the advantage compares samples within a group")
     if cfg.num_steps is not None and cfg.num_steps < 1:
         raise ValueError(f"--num-steps must be >= 1, got {cfg.num_steps}")
+    if cfg.model_path is not None and cfg.model_step is not None:
+        raise ValueError("--model-step picks a nanochat checkpoint; with --model-path, point it at the folder to start "
+                         "from (an RL run's step_<N> folder is one)")
+    if cfg.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.kl_coef < 0:
         raise ValueError(f"--kl-coef must be >= 0, got {cfg.kl_coef}")
     if cfg.top_k < 0:
@@ -288,14 +299,15 @@ def step_normalizer(cfg, targets_per_pass, device, world_size):
 def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
     "Forward and backward every pass; returns the loss, the sampled tokens' log-prob and entropy sums, and their count."
     loss_sum, logp_sum, entropy_sum, tokens = 0.0, 0.0, 0.0, 0
+    share = hasattr(model.config, "n_layer")     # the shared-prompt cache of notebook 10 sizes itself by n_layer
     for inputs, targets, rows in passes:
         mask = targets != -1                                                   # (b, T)
         with autocast:
-            logp, entropy = token_logp(model, inputs, targets, with_entropy=True)   # (b, T) each
+            logp, entropy = token_logp(model, inputs, targets, share, with_entropy=True)   # (b, T) each
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad(), autocast:
-                ref_logp = token_logp(ref_model, inputs, targets)                 # (b, T)
+                ref_logp = token_logp(ref_model, inputs, targets, share)          # (b, T)
         loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
         loss.backward()
         loss_sum += loss.item()
@@ -414,9 +426,15 @@ def _build_tasks(cfg: Config):
 
 # %% ../nbs/13_train.ipynb #82498a56
 def run_dir(cfg: Config, model_config) -> Path:
-    "chatrl_checkpoints/<tag> under the output directory; the tag is --model-tag, else d<n_layer>."
+    "chatrl_checkpoints/<tag> under the output directory: --model-tag, else d<n_layer> or the model folder's name."
     root = Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir)
-    return root / "chatrl_checkpoints" / (cfg.model_tag or f"d{model_config.n_layer}")
+    if cfg.model_tag:
+        tag = cfg.model_tag
+    elif cfg.model_path:
+        tag = Path(cfg.model_path).expanduser().absolute().name
+    else:
+        tag = f"d{model_config.n_layer}"
+    return root / "chatrl_checkpoints" / tag
 
 def check_writable(directory: Path):
     "Raise a ValueError naming `directory` unless checkpoints can be written there (checked before any work)."
@@ -435,15 +453,16 @@ def check_writable(directory: Path):
                          "pass a writable --output-dir") from e
 
 def complete_steps(directory: Path, world_size: int) -> list[int]:
-    "Steps in `directory` with a model, meta, the optimizer state and every rank's resume state, newest first."
+    "Steps in `directory` with a model and meta (or a step_<N> HF folder), the optimizer and each rank's resume state."
     if not directory.is_dir():
         return []
 
-    def complete(step):
-        needed = ([f"meta_{step:06d}.json", f"optim_{step:06d}_rank0.pt"]
+    def complete(step, hf):
+        needed = ([f"optim_{step:06d}_rank0.pt"] + ([] if hf else [f"meta_{step:06d}.json"])
                   + [f"resume_{step:06d}_rank{r}.pt" for r in range(world_size)])
         return all((directory / name).is_file() for name in needed)
-    return [s for s in reversed(checkpoint_steps(directory)) if complete(s)]
+    steps = {s: False for s in checkpoint_steps(directory)} | {s: True for s in hf_checkpoint_steps(directory)}
+    return [s for s in sorted(steps, reverse=True) if complete(s, steps[s])]
 
 # %% ../nbs/13_train.ipynb #e97b27ee
 def elastic_restarts() -> int:
@@ -462,8 +481,11 @@ class PolicyStart:
 
 def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
     "The source checkpoint's policy, or this run's last complete checkpoint on --resume (or an elastic restart)."
-    model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
-                                        phase="train", base_dir=cfg.base_dir)
+    if cfg.model_path:
+        model, tokenizer, meta = load_hf_model(cfg.model_path, device, phase="train")
+    else:
+        model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
+                                            phase="train", base_dir=cfg.base_dir)
     start = PolicyStart(model, tokenizer, run_dir(cfg, model.config),
                         reference=_frozen_copy(model) if cfg.kl_coef > 0 else None)   # before any resumed state
     steps = complete_steps(start.out, world_size)
@@ -473,7 +495,8 @@ def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
                              "pass --resume to continue it, or --output-dir/--model-tag to start a new one elsewhere")
         return start
     if not steps:
-        raise ValueError(f"--resume: expected a complete checkpoint (model, meta, optimizer and resume files of "
+        raise ValueError(f"--resume: expected a complete checkpoint (model and meta or step folder, optimizer and "
+                         f"resume files of "
                          f"{world_size} rank(s)) in {start.out}, found none")
     state, start.optim_state, start.resume = load_resume_point(start.out, steps, device, world_size, rank)
     model.load_state_dict(state)
@@ -511,11 +534,14 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
     return files if agreed.item() == mine else _read_resume_files(out, agreed.item(), device, rank)
 
 def build_optimizer(model, cfg: Config, optim_state: dict | None = None):
-    "nanochat's optimizer groups at init_lr_frac of their base rates, or the resumed optimizer state."
-    optimizer = model.setup_optimizers(unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr,
-                                       matrix_lr=cfg.matrix_lr, weight_decay=cfg.weight_decay)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] = group["initial_lr"] * cfg.init_lr_frac
+    "nanochat's groups at init_lr_frac of their base rates (a HF model: AdamW at --lr), or the resumed state."
+    if isinstance(model, Llama):
+        optimizer = model.setup_optimizers(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = model.setup_optimizers(unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr,
+                                           matrix_lr=cfg.matrix_lr, weight_decay=cfg.weight_decay)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = group["initial_lr"] * cfg.init_lr_frac
     if optim_state is not None:
         optimizer.load_state_dict(optim_state)
     return optimizer
@@ -642,13 +668,16 @@ def evaluate(self: Trainer) -> dict:
 
 @patch
 def save(self: Trainer, step: int, resume_state: dict):
-    "A checkpoint nanochat can load; rank 0 adds the (replicated) optimizer state, every rank its resume state."
-    meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
+    "A checkpoint nanochat (--model-path: transformers) loads; rank 0 adds the optimizer, each rank its resume state."
     state = {"torch_rng": torch.get_rng_state(), **resume_state}
     master = self.rank == 0
-    model_state = self.model.state_dict() if master else {}
     optim_state = self.optimizer.state_dict() if master else None
-    save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
+    if self.cfg.model_path:
+        save_hf_step(self.out, step, self.model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
+    else:
+        meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
+        model_state = self.model.state_dict() if master else {}
+        save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
     if dist.is_initialized():
         dist.barrier()
 

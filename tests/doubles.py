@@ -369,3 +369,42 @@ def gsm8k_chat_conversations(n=56, system_every=4):
             conv = {"messages": [system] + conv["messages"]}
         out.append(conv)
     return out
+
+
+# ---------------------------------------------------------------- a real chat model, when built locally
+
+def smollm2_folder():
+    "SmolLM2-135M-Instruct's folder (`bench/smollm2.py` builds it): $NANORL_SMOLLM2, else the builder's default."
+    import os
+    if os.environ.get("NANORL_SMOLLM2"):
+        return Path(os.environ["NANORL_SMOLLM2"])
+    cache = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
+    return cache / "smollm2-135m-instruct"
+
+
+# ---------------------------------------------------------------- Hugging Face runs: a model that wants one token
+
+class TokenBiased(torch.nn.Module):
+    "Wraps a model without softcap (a Llama) and adds `bias` to the logit of `token`, at every position."
+    def __init__(self, base, token, bias=50.0):
+        super().__init__()
+        self.base, self.token, self.bias = base, token, bias
+        self.config, self.softcap, self.lm_head = base.config, None, base.lm_head
+        self.rotary_len = base.rotary_len
+
+    def get_device(self):
+        return self.base.get_device()
+
+    def new_kv_cache(self, *args, **kwargs):
+        return self.base.new_kv_cache(*args, **kwargs)
+
+    def hidden(self, idx, kv_cache=None):
+        return self.base.hidden(idx, kv_cache)
+
+    def unembed(self, h, softcap=True):
+        logits = self.base.unembed(h)
+        logits[..., self.token] += self.bias
+        return logits
+
+    def forward(self, idx):
+        return self.unembed(self.hidden(idx))
