@@ -17,9 +17,9 @@ __all__ = ['SOURCES', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'Checkpoi
            'find_last_step', 'find_largest_model', 'detect_generation', 'read_state_dict', 'read_meta',
            'config_from_meta', 'build_model', 'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps',
            'is_hf_folder', 'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model', 'atomic_save',
-           'nanochat_meta', 'save_checkpoint', 'load_checkpoint', 'load_resume_state', 'ties_embeddings',
-           'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype', 'save_hf_checkpoint',
-           'read_hf_state', 'save_hf_step']
+           'nanochat_meta', 'save_run_state', 'save_checkpoint', 'load_checkpoint', 'load_resume_state',
+           'ties_embeddings', 'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype',
+           'save_hf_checkpoint', 'read_hf_state', 'save_hf_step']
 
 # %% ../nbs/04_checkpoint.ipynb #7c27b53e
 SOURCES = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -311,14 +311,19 @@ def nanochat_meta(meta) -> dict:
     return meta
 
 # %% ../nbs/04_checkpoint.ipynb #9cdcacbf
-def save_checkpoint(checkpoint_dir, step, model_state, optim_state, meta, rank=0, resume_state=None):
-    "nanochat's layout: model/meta (rank 0), optim per rank, plus an optional resume state per rank; atomic writes."
+def save_run_state(checkpoint_dir, step, optim_state, rank=0, resume_state=None) -> Path:
+    "This rank's optimizer state (if given) and resume state (if given), written atomically; returns the folder."
     d = Path(checkpoint_dir)
     d.mkdir(parents=True, exist_ok=True)
     if optim_state is not None:
         atomic_save(optim_state, d / f"optim_{step:06d}_rank{rank}.pt")
     if resume_state is not None:
         atomic_save(resume_state, d / f"resume_{step:06d}_rank{rank}.pt")
+    return d
+
+def save_checkpoint(checkpoint_dir, step, model_state, optim_state, meta, rank=0, resume_state=None):
+    "nanochat's layout: model/meta (rank 0), optim per rank, plus an optional resume state per rank; atomic writes."
+    d = save_run_state(checkpoint_dir, step, optim_state, rank, resume_state)
     if rank == 0:
         atomic_save({k.removeprefix("_orig_mod."): v for k, v in model_state.items()}, d / f"model_{step:06d}.pt")
         atomic_save(nanochat_meta(meta), d / f"meta_{step:06d}.json")
@@ -450,11 +455,6 @@ def read_hf_state(folder, device="cpu"):
 
 def save_hf_step(checkpoint_dir, step, model, source_folder, optim_state=None, rank=0, resume_state=None):
     "One step of an RL run: optimizer (if given) and resume state per rank, then (rank 0) the step_<N> folder."
-    d = Path(checkpoint_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    if optim_state is not None:
-        atomic_save(optim_state, d / f"optim_{step:06d}_rank{rank}.pt")
-    if resume_state is not None:
-        atomic_save(resume_state, d / f"resume_{step:06d}_rank{rank}.pt")
+    d = save_run_state(checkpoint_dir, step, optim_state, rank, resume_state)
     if rank == 0:
         save_hf_checkpoint(hf_step_dir(d, step), model, source_folder)

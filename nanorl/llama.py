@@ -21,7 +21,7 @@ from fastcore.basics import patch
 
 from . import model as gpt
 from .model import KVCache, apply_rotary, attention_mask
-from .tokenizer import MaskView
+from .tokenizer import MaskView, Tokenizer
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'HEAD_AS_WHT_ROWS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE',
@@ -531,14 +531,7 @@ class ChatTokenizer:
         return f"ChatTokenizer(vocab_size={self.get_vocab_size()}, end_of_turn={end!r})"
 
 # %% ../nbs/03_llama.ipynb #b8d7764d
-@patch
-def _token_id(self: ChatTokenizer, token):
-    "A special token's text or an id, as an id."
-    if isinstance(token, str):
-        return self.encode_special(token)
-    if isinstance(token, int) and 0 <= token < self.get_vocab_size():
-        return token
-    raise ValueError(f"expected a special-token name or an id in [0, {self.get_vocab_size()}), found {token!r}")
+ChatTokenizer._token_id = Tokenizer._token_id   # a special token's name or an id, as an id: the same rule
 
 @patch
 def encode(self: ChatTokenizer, text, prepend=None, append=None, num_threads=None):

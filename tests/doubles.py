@@ -233,6 +233,7 @@ class BiasedModel(torch.nn.Module):
     def __init__(self, base, bias):
         super().__init__()
         self.base, self.bias, self.config, self.softcap, self.lm_head = base, bias, base.config, base.softcap, base.lm_head
+        self.rotary_len = getattr(base, "rotary_len", None)
 
     def get_device(self):
         return self.base.get_device()
@@ -245,7 +246,7 @@ class BiasedModel(torch.nn.Module):
 
     def unembed(self, h, softcap=True):
         raw = self.base.unembed(h, softcap=False) + self.bias
-        return self.softcap * torch.tanh(raw / self.softcap) if softcap else raw
+        return self.softcap * torch.tanh(raw / self.softcap) if softcap and self.softcap else raw
 
     def forward(self, idx):
         return self.unembed(self.hidden(idx))
@@ -384,27 +385,8 @@ def smollm2_folder():
 
 # ---------------------------------------------------------------- Hugging Face runs: a model that wants one token
 
-class TokenBiased(torch.nn.Module):
-    "Wraps a model without softcap (a Llama) and adds `bias` to the logit of `token`, at every position."
-    def __init__(self, base, token, bias=50.0):
-        super().__init__()
-        self.base, self.token, self.bias = base, token, bias
-        self.config, self.softcap, self.lm_head = base.config, None, base.lm_head
-        self.rotary_len = base.rotary_len
-
-    def get_device(self):
-        return self.base.get_device()
-
-    def new_kv_cache(self, *args, **kwargs):
-        return self.base.new_kv_cache(*args, **kwargs)
-
-    def hidden(self, idx, kv_cache=None):
-        return self.base.hidden(idx, kv_cache)
-
-    def unembed(self, h, softcap=True):
-        logits = self.base.unembed(h)
-        logits[..., self.token] += self.bias
-        return logits
-
-    def forward(self, idx):
-        return self.unembed(self.hidden(idx))
+def token_biased(model, token, bias=50.0):
+    "`model` (a Llama: no softcap) with `bias` added to the logit of `token` at every position."
+    vector = torch.zeros(model.config.vocab_size)
+    vector[token] = bias
+    return BiasedModel(model, vector)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from doubles import TokenBiased, save_tiny_hf_model
+from doubles import save_tiny_hf_model, token_biased
 from nanorl.checkpoint import (SAFETENSORS_INDEX, CheckpointError, hf_checkpoint_steps, load_model, read_hf_state,
                                save_hf_checkpoint)
 from nanorl.engine import DEFAULT_MAX_NEW_TOKENS, Engine, reference_generate
@@ -209,7 +209,7 @@ def test_engine_stops_on_generation_config_eos(hf_folders):
     model, tok, _ = load_model(hf_folders["llama"][0], "cpu")
     eos = tok.encode_special("<|end_of_text|>")
     assert eos not in (tok.encode_special("<|assistant_end|>"), tok.get_bos_token_id())
-    biased = TokenBiased(model, eos)
+    biased = token_biased(model, eos)
     engine = Engine(biased, tok)
     assert engine.stop_tokens == set(tok.get_stop_token_ids())
     prompt = tok.render_for_completion({"messages": [{"role": "user", "content": "2+2?"},
