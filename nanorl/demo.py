@@ -17,7 +17,7 @@ from .tokenizer import Tokenizer
 from .model import GPT, GPTConfig
 from .checkpoint import save_checkpoint
 from .engine import Engine
-from .tasks import Arithmetic
+from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
 from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks, train
@@ -77,21 +77,8 @@ def quick(self: DemoConfig, **changes) -> DemoConfig:
     return replace(self, **{**dict(rl_steps=30, eval_every=1000, eval_examples=200), **changes})
 
 # %% ../nbs/14_demo.ipynb #a3061f58
-class NoSignal:
+class NoSignal(TaskView):
     "A task whose rewards are all 0 (so every advantage is 0); evaluation is the wrapped task's."
-    def __init__(self, task):
-        self.task = task
-
-    def __len__(self):
-        return len(self.task)
-
-    def __getitem__(self, i):
-        return self.task[i]
-
-    def evaluate(self, conversation, completion):
-        "The wrapped task's verdict."
-        return self.task.evaluate(conversation, completion)
-
     def reward(self, conversation, completion):
         "Always 0: no learning signal."
         return 0.0
@@ -127,7 +114,7 @@ def sampled_accuracy(model, tokenizer, task, dc: DemoConfig) -> float:
     model.eval()
     one = Sampling(num_samples=1, max_new_tokens=dc.max_new_tokens, temperature=dc.temperature, top_k=None)
     result = evaluate_pass_at_k(Engine(model, tokenizer), tokenizer, task, one, seed=dc.seed,
-                                prompts_per_batch=len(task), progress=False)
+                                prompts_per_batch=len(task))
     model.train(was_training)
     return result.estimate(1)[0]
 

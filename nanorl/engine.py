@@ -98,9 +98,10 @@ def stop_token_ids(tokenizer) -> set:
     return {tokenizer.get_bos_token_id(), tokenizer.encode_special("<|assistant_end|>")}
 
 @torch.no_grad()
-def reference_generate(model, tokenizer, tokens, num_samples=1, max_tokens=16, temperature=1.0, top_k=None, seed=42,
-                       min_new_tokens=0, nanochat_format=False):
-    "Slow reference: a full forward over every row's whole sequence per step; Engine's randomness and tool rules."
+def reference_generate(engine, tokens, num_samples=1, max_tokens=16, temperature=1.0, top_k=None, seed=42,
+                       min_new_tokens=0):
+    "Slow reference of `engine.generate_batch`: a full forward over every row's whole sequence per step, no cache."
+    model, tokenizer = engine.model, engine.tokenizer
     sp = tokenizer.encode_special
     stops = stop_token_ids(tokenizer)
     py_start, py_end = sp("<|python_start|>"), sp("<|python_end|>")
@@ -134,7 +135,7 @@ def reference_generate(model, tokenizer, tokens, num_samples=1, max_tokens=16, t
             elif t == py_end and expr[j] is not None:
                 result = None
                 if expr[j]:
-                    result = use_calculator(tokenizer.decode(expr[j]), nanochat_format)
+                    result = use_calculator(tokenizer.decode(expr[j]), engine.nanochat_format)
                 if result is not None:
                     forced[j] = [out_start, *tokenizer.encode(str(result)), out_end]
                 expr[j] = None

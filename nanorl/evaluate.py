@@ -122,8 +122,7 @@ class PassAtK:
 
 # %% ../nbs/11_evaluate.ipynb #d3efb02d
 def evaluate_pass_at_k(engine, tokenizer, task, sampling: Sampling = EVAL_SAMPLING, num_problems: int | None = None,
-                       seed: int = 42, prompts_per_batch: int = 8, shard: tuple[int, int] | None = None,
-                       progress: bool = True) -> PassAtK:
+                       seed: int = 42, prompts_per_batch: int = 8, shard: tuple[int, int] | None = None) -> PassAtK:
     "pass@k on the first `num_problems` problems of `task`, rank-strided across processes and reduced to every rank."
     initialized = dist.is_available() and dist.is_initialized()
     if shard is None:                                      # (rank, world size): torch.distributed's, or one process
@@ -137,7 +136,8 @@ def evaluate_pass_at_k(engine, tokenizer, task, sampling: Sampling = EVAL_SAMPLI
         raise ValueError(f"num_samples must be >= 1, got {sampling.num_samples}")
     num_problems = len(task) if num_problems is None else min(num_problems, len(task))
     mine = list(range(rank, num_problems, world_size))
-    local = sample_outcomes(engine, tokenizer, task, mine, sampling, seed, prompts_per_batch, progress and rank == 0)
+    progress = rank == 0 and len(mine) > prompts_per_batch     # a bar on rank 0 when it takes more than one call
+    local = sample_outcomes(engine, tokenizer, task, mine, sampling, seed, prompts_per_batch, progress)
     nccl = initialized and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     table = torch.zeros(num_problems, sampling.num_samples, dtype=torch.int32, device=device)   # (P, n)

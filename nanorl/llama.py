@@ -79,6 +79,11 @@ class DecoderConfig:
         "The longest sequence the model was trained for (GPTConfig's name for it)."
         return self.max_position_embeddings
 
+    @property
+    def n_layer(self):
+        "The number of decoder layers (GPTConfig's name for it: the loss's shared-prompt cache sizes itself by it)."
+        return self.num_hidden_layers
+
     @classmethod
     def from_folder(cls, folder):
         "The config of a Hugging Face model folder (its `config.json`)."

@@ -24,7 +24,7 @@ __all__ = ['NANOCHAT_ANSWER_RE', 'CALC_RE', 'GSM8K_DIR_ENV', 'COUNTDOWN_CHARS', 
            'RewardShaping', 'reference_answer', 'Task', 'find_local_gsm8k', 'load_gsm8k_rows', 'GSM8K', 'Difficulty',
            'Arithmetic', 'conversation_text', 'last_tagged', 'countdown_reward', 'CountdownShaping', 'countdown_prompt',
            'countdown_split', 'random_countdown', 'check_countdown_row', 'read_countdown_rows', 'load_countdown_hub',
-           'Countdown', 'Solved', 'as_task']
+           'Countdown', 'TaskView', 'Solved', 'as_task']
 
 # %% ../nbs/07_tasks.ipynb #459549f2
 NANOCHAT_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's pattern (tasks/gsm8k.py)
@@ -667,8 +667,8 @@ def reward_terms(self: Countdown, conversation: dict, completion: str) -> dict:
 # %% ../nbs/07_tasks.ipynb #dc5e1930
 TASK_PROTOCOL = ("__len__", "__getitem__", "reward")
 
-class Solved:
-    "A task without `evaluate`: a completion counts as solved when its reward is at least 1."
+class TaskView:
+    "A wrapped task: its problems, reward and verdict, unless a subclass replaces one."
     def __init__(self, task):
         self.task = task
 
@@ -681,6 +681,11 @@ class Solved:
     def reward(self, conversation, completion):
         return self.task.reward(conversation, completion)
 
+    def evaluate(self, conversation, completion):
+        return self.task.evaluate(conversation, completion)
+
+class Solved(TaskView):
+    "A task without `evaluate`: a completion counts as solved when its reward is at least 1."
     def evaluate(self, conversation, completion):
         return self.task.reward(conversation, completion) >= 1.0
 

@@ -1,4 +1,5 @@
 """pytest fixtures shared by the test modules; the doubles themselves live in doubles.py."""
+
 import pytest
 
 from doubles import nanochat_tokenizer

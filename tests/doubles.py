@@ -3,6 +3,7 @@
 Notebooks import it with `sys.path.insert(0, "../tests")`; pytest finds it in tests/. Training tests name its task
 factories on the command line: `--task doubles:toy_tasks`.
 """
+
 import json
 import random
 import shutil
@@ -11,18 +12,21 @@ from pathlib import Path
 import torch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-NANOCHAT_HEAD = FIXTURES / "nanochat" / "head"     # tiny nanochat checkpoint (d3, random weights) and tokenizer
+NANOCHAT_HEAD = FIXTURES / "nanochat" / "head"  # tiny nanochat checkpoint (d3, random weights) and tokenizer
 
 
 # ---------------------------------------------------------------- nanochat's fixtures
 
+
 def nanochat_tokenizer():
     "The tokenizer nanochat's own code trained for the fixtures."
     from nanorl.tokenizer import Tokenizer
+
     return Tokenizer.from_directory(FIXTURES / "nanochat" / "tokenizer")
 
 
 # ---------------------------------------------------------------- training runs on the tiny fixture checkpoint
+
 
 def base_dir(tmp_path, name):
     "A nanochat base directory holding the tiny fixture checkpoint and tokenizer."
@@ -54,20 +58,38 @@ ROWS = [json.loads(l) for l in (Path(__file__).parent / "fixtures" / "gsm8k" / "
 
 class LengthTask:
     "GSM8K questions; a completion earns 1 when its length in characters is a multiple of 3."
-    def __len__(self): return len(ROWS)
+
+    def __len__(self):
+        return len(ROWS)
+
     def __getitem__(self, i):
-        return {"messages": [{"role": "user", "content": ROWS[i]["question"]}, {"role": "assistant", "content": ROWS[i]["answer"]}]}
-    def evaluate(self, conversation, completion): return len(completion) % 3 == 0
-    def reward(self, conversation, completion): return float(self.evaluate(conversation, completion))
+        return {
+            "messages": [
+                {"role": "user", "content": ROWS[i]["question"]},
+                {"role": "assistant", "content": ROWS[i]["answer"]},
+            ]
+        }
+
+    def evaluate(self, conversation, completion):
+        return len(completion) % 3 == 0
+
+    def reward(self, conversation, completion):
+        return float(self.evaluate(conversation, completion))
 
 
 class NanLengthTask(LengthTask):
     "The toy task, but the reward of the problems in `nan_problems` (all when None) is nan: a broken reward function."
+
     def __init__(self, nan_problems=None):
         self.nan_questions = None if nan_problems is None else {ROWS[i]["question"] for i in nan_problems}
+
     def reward(self, conversation, completion):
         q = conversation["messages"][0]["content"]
-        return float("nan") if self.nan_questions is None or q in self.nan_questions else super().reward(conversation, completion)
+        return (
+            float("nan")
+            if self.nan_questions is None or q in self.nan_questions
+            else super().reward(conversation, completion)
+        )
 
 
 def toy_tasks(cfg):
@@ -87,7 +109,9 @@ def make_all_nan_tasks(cfg):
 
 class ZeroLengthTask(LengthTask):
     "The toy task with every reward 0: every group has no signal."
-    def reward(self, conversation, completion): return 0.0
+
+    def reward(self, conversation, completion):
+        return 0.0
 
 
 def make_zero_tasks(cfg):
@@ -97,37 +121,59 @@ def make_zero_tasks(cfg):
 
 class SplitToyTask:
     "The protocol's minimum, built per split as `--task doubles:SplitToyTask` does: no evaluate, 1 for an 'ok'."
-    def __init__(self, split="train"): self.rows = ROWS[:8] if split == "train" else ROWS[8:12]
-    def __len__(self): return len(self.rows)
+
+    def __init__(self, split="train"):
+        self.rows = ROWS[:8] if split == "train" else ROWS[8:12]
+
+    def __len__(self):
+        return len(self.rows)
+
     def __getitem__(self, i):
         question = self.rows[i]["question"]
         return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "ok"}]}
-    def reward(self, conversation, completion): return float(completion.strip() == "ok")
+
+    def reward(self, conversation, completion):
+        return float(completion.strip() == "ok")
 
 
 class NoRewardTask(SplitToyTask):
     "Misses the protocol's reward."
+
     reward = None
 
 
 # ---------------------------------------------------------------- pass@k without a model: tokenizer, task and engine
 
+
 class ToyTokenizer:
     "Prompts are [difficulty, answer]; ids decode to their digits."
-    def render_for_completion(self, conversation): return [conversation["difficulty"], conversation["answer"]]
-    def decode(self, ids): return "".join(str(i) for i in ids)
+
+    def render_for_completion(self, conversation):
+        return [conversation["difficulty"], conversation["answer"]]
+
+    def decode(self, ids):
+        return "".join(str(i) for i in ids)
 
 
 class ToyTask:
     "Problem i: difficulty i % 10, answer i % 7; a completion is right when it is the answer."
-    def __init__(self, size): self.size = size
-    def __len__(self): return self.size
-    def __getitem__(self, i): return {"difficulty": i % 10, "answer": i % 7}
-    def evaluate(self, conversation, text): return text == str(conversation["answer"])
+
+    def __init__(self, size):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return {"difficulty": i % 10, "answer": i % 7}
+
+    def evaluate(self, conversation, text):
+        return text == str(conversation["answer"])
 
 
 class ToyEngine:
     "Right with probability difficulty/10, drawn from (prompt seed, sample index) only, as the real engine promises."
+
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         seqs = []
@@ -141,29 +187,34 @@ class ToyEngine:
 
 # ---------------------------------------------------------------- a tiny trained model: the demo's SFT checkpoint
 
+
 def demo_sft(device="cpu"):
     "(model, tokenizer) of the demo's SFT model on Arithmetic, from tests/fixtures/demo_sft (see fixtures/README.md)."
     from nanorl.checkpoint import load_model
+
     model, tokenizer, _ = load_model("sft", device, model_tag="d3", base_dir=FIXTURES / "demo_sft")
     return model, tokenizer
 
 
 # ---------------------------------------------------------------- models for the engine: fixtures, scripted, biased
 
-FIXTURE_TAGS = {"head": ("d3", "current"), "oct2025": ("d2", "oct2025")}   # fixture folder -> (tag, generation)
+FIXTURE_TAGS = {"head": ("d3", "current"), "oct2025": ("d2", "oct2025")}  # fixture folder -> (tag, generation)
 
 
 def load_fixture_model(gen):
     "nanochat's tiny fixture model of one generation ('head' or 'oct2025'), loaded as a checkpoint, in eval mode."
     from nanorl.checkpoint import load_model
+
     tag, generation = FIXTURE_TAGS[gen]
-    model, _, _ = load_model("sft", "cpu", model_tag=tag, step=0, base_dir=FIXTURES / "nanochat" / gen,
-                             generation=generation)
+    model, _, _ = load_model(
+        "sft", "cpu", model_tag=tag, step=0, base_dir=FIXTURES / "nanochat" / gen, generation=generation
+    )
     return model.eval()
 
 
 class ScriptedCache:
     "Stands in for a KVCache: per row, which script it follows, its pointer into it, and its last proposal."
+
     def __init__(self, batch_size, seq_len=None):
         self.row, self.pointer, self.proposal = [None] * batch_size, [0] * batch_size, [None] * batch_size
         self.seqlens, self.max_seq_len = [0] * batch_size, seq_len
@@ -189,8 +240,10 @@ class ScriptedCache:
 class ScriptedModel:
     """A fake model: row r proposes script[r][i] with logit 10 (0 elsewhere), and i advances when the fed token is
     the proposal (sampled, not forced). The batch-1 prefill proposes script[0][0]; exhausted scripts propose the end."""
+
     def __init__(self, scripts, vocab_size, end_token, sequence_len=256):
         from types import SimpleNamespace
+
         self.scripts, self.end_token, self.softcap = scripts, end_token, None
         self.config = SimpleNamespace(sequence_len=sequence_len, vocab_size=vocab_size)
 
@@ -209,10 +262,10 @@ class ScriptedModel:
         B, T = idx.shape
         props = []
         for b in range(B):
-            if kv_cache.seqlens[b] == 0:                                   # prefill
+            if kv_cache.seqlens[b] == 0:  # prefill
                 p = self._propose(0, 0)
             else:
-                if kv_cache.row[b] is None:                                # first decode step: rows are in order
+                if kv_cache.row[b] is None:  # first decode step: rows are in order
                     kv_cache.row[b] = b
                 if idx[b, -1].item() == kv_cache.proposal[b]:
                     kv_cache.pointer[b] += 1
@@ -230,9 +283,16 @@ class ScriptedModel:
 
 class BiasedModel(torch.nn.Module):
     "Wraps a GPT and adds a fixed bias to its raw logits (makes tool calls frequent in a tiny random model)."
+
     def __init__(self, base, bias):
         super().__init__()
-        self.base, self.bias, self.config, self.softcap, self.lm_head = base, bias, base.config, base.softcap, base.lm_head
+        self.base, self.bias, self.config, self.softcap, self.lm_head = (
+            base,
+            bias,
+            base.config,
+            base.softcap,
+            base.lm_head,
+        )
         self.rotary_len = getattr(base, "rotary_len", None)
 
     def get_device(self):
@@ -265,23 +325,37 @@ def tool_bias(tok):
     return bias
 
 
-# ---------------------------------------------------------------- Hugging Face chat models: tiny folders made by transformers
+# ---------------------------------------------------------------- Hugging Face chat models: tiny transformers folders
 
-CHAT_TEMPLATES = FIXTURES / "chat_templates"      # real templates (see fixtures/chat_templates/README.md)
-HF_FAMILIES = {   # special tokens as the real tokenizers name them; bos/eos/pad as their tokenizer_config.json sets them
-    "qwen": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|im_end|>",
-                 pad="<|endoftext|>", template="qwen2.5.jinja", stops=["<|im_end|>", "<|endoftext|>"]),
-    "llama3": dict(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                             "<|eot_id|>"], bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
-                   template="llama3.jinja", stops=["<|end_of_text|>", "<|eot_id|>"]),
+CHAT_TEMPLATES = FIXTURES / "chat_templates"  # real templates (see fixtures/chat_templates/README.md)
+HF_FAMILIES = {  # special tokens as the real tokenizers name them; bos/eos/pad as their tokenizer_config.json sets them
+    "qwen": dict(
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        template="qwen2.5.jinja",
+        stops=["<|im_end|>", "<|endoftext|>"],
+    ),
+    "llama3": dict(
+        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad=None,
+        template="llama3.jinja",
+        stops=["<|end_of_text|>", "<|eot_id|>"],
+    ),
 }
-HF_KINDS = {"qwen2": "qwen", "qwen3": "qwen", "llama": "llama3"}   # model_type -> tokenizer family
+HF_KINDS = {"qwen2": "qwen", "qwen3": "qwen", "llama": "llama3"}  # model_type -> tokenizer family
 
 
 def gsm8k_corpus():
     "Every question and answer of the GSM8K fixture files."
-    rows = [json.loads(l) for split in ("train", "test")
-            for l in (FIXTURES / "gsm8k" / f"{split}.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(l)
+        for split in ("train", "test")
+        for l in (FIXTURES / "gsm8k" / f"{split}.jsonl").read_text().splitlines()
+    ]
     return [r["question"] for r in rows] + [r["answer"] for r in rows]
 
 
@@ -289,17 +363,23 @@ def tiny_hf_tokenizer(family, vocab_size=600):
     "A transformers tokenizer: byte-level BPE trained on the GSM8K fixtures, the family's specials and real template."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+
     fam = HF_FAMILIES[family]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=fam["specials"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=fam["specials"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(gsm8k_corpus(), trainer)
-    if fam["bos"]:   # like Llama 3's tokenizer.json: bos prepended when special tokens are added
+    if fam["bos"]:  # like Llama 3's tokenizer.json: bos prepended when special tokens are added
         bos = (fam["bos"], tk.token_to_id(fam["bos"]))
-        tk.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B",
-                                                          special_tokens=[bos])
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+        )
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=fam["bos"], eos_token=fam["eos"], pad_token=fam["pad"])
     tok.chat_template = (CHAT_TEMPLATES / fam["template"]).read_text()
     return tok
@@ -308,27 +388,53 @@ def tiny_hf_tokenizer(family, vocab_size=600):
 def tiny_hf_config(model_type, vocab_size, max_position_embeddings=512):
     "A 2-layer, 64-wide transformers config: Qwen2 (biases, tied), Qwen3 (q/k norm, head_dim 32, one kv head), Llama 3."
     import transformers
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=max_position_embeddings, initializer_range=0.15)
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.15,
+    )
     if model_type == "qwen2":
-        return transformers.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True,
-                                        rope_parameters=dict(rope_type="default", rope_theta=1e6))
+        return transformers.Qwen2Config(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        )
     if model_type == "qwen3":
-        return transformers.Qwen3Config(**common, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
-                                        rope_parameters=dict(rope_type="default", rope_theta=1e6))
+        return transformers.Qwen3Config(
+            **common,
+            num_key_value_heads=1,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        )
     if model_type == "llama":
-        rope = dict(rope_type="llama3", rope_theta=50000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=64)
-        return transformers.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, rope_parameters=rope)
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=50000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        return transformers.LlamaConfig(
+            **common, num_key_value_heads=2, tie_word_embeddings=False, rope_parameters=rope
+        )
     raise ValueError(f"unknown model_type {model_type!r}")
 
 
 def save_tiny_hf_model(model_type, folder, dtype=torch.float32, max_shard_size=None, seed=0):
     "A random transformers model (norm scales and biases perturbed) and its tokenizer saved into folder; (model, tok)."
     import transformers
+
     transformers.utils.logging.disable_progress_bar()
     tok = tiny_hf_tokenizer(HF_KINDS[model_type])
-    extra = 8 if model_type == "qwen2" else 0       # Qwen's embedding is wider than its tokenizer
+    extra = 8 if model_type == "qwen2" else 0  # Qwen's embedding is wider than its tokenizer
     config = tiny_hf_config(model_type, len(tok) + extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -339,7 +445,8 @@ def save_tiny_hf_model(model_type, folder, dtype=torch.float32, max_shard_size=N
     fam = HF_FAMILIES[HF_KINDS[model_type]]
     stops = [tok.convert_tokens_to_ids(t) for t in fam["stops"]]
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=stops, pad_token_id=tok.pad_token_id or stops[-1])
+        bos_token_id=tok.bos_token_id, eos_token_id=stops, pad_token_id=tok.pad_token_id or stops[-1]
+    )
     shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.to(dtype).save_pretrained(folder, **shard)
     tok.save_pretrained(folder)
@@ -361,6 +468,7 @@ def to_transformers4_layout(folder):
 def gsm8k_chat_conversations(n=56, system_every=4):
     "n GSM8K fixture conversations as nanorl's task builds them, every system_every-th one led by a system message."
     from nanorl.tasks import GSM8K
+
     tasks = [GSM8K(split=split, data_dir=FIXTURES / "gsm8k") for split in ("train", "test")]
     task = [t[i] for t in tasks for i in range(len(t))]
     out = []
@@ -374,9 +482,11 @@ def gsm8k_chat_conversations(n=56, system_every=4):
 
 # ---------------------------------------------------------------- a real chat model, when built locally
 
+
 def smollm2_folder():
     "SmolLM2-135M-Instruct's folder (`bench/smollm2.py` builds it): $NANORL_SMOLLM2, else the builder's default."
     import os
+
     if os.environ.get("NANORL_SMOLLM2"):
         return Path(os.environ["NANORL_SMOLLM2"])
     cache = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
@@ -384,6 +494,7 @@ def smollm2_folder():
 
 
 # ---------------------------------------------------------------- Hugging Face runs: a model that wants one token
+
 
 def token_biased(model, token, bias=50.0):
     "`model` (a Llama: no softcap) with `bias` added to the logit of `token` at every position."

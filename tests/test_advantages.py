@@ -1,13 +1,22 @@
 "Property tests for nanorl.advantages beyond the notebook's examples."
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanorl.advantages import (ADVANTAGE_METHODS, compute_advantages, mean_advantages, zero_signal_groups,
-                               zscore_advantages)
+from nanorl.advantages import (
+    ADVANTAGE_METHODS,
+    compute_advantages,
+    mean_advantages,
+    zero_signal_groups,
+    zscore_advantages,
+)
 
-groups = st.integers(1, 5).flatmap(lambda g: st.integers(2, 6).flatmap(
-    lambda n: st.tuples(st.just(n), st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=g * n, max_size=g * n))))
+groups = st.integers(1, 5).flatmap(
+    lambda g: st.integers(2, 6).flatmap(
+        lambda n: st.tuples(st.just(n), st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=g * n, max_size=g * n))
+    )
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -19,7 +28,7 @@ def test_each_group_only_sees_itself(case):
     for method in ADVANTAGE_METHODS:
         base = compute_advantages(r, n, method)
         other = r.clone()
-        other[:n] = 1.0 - other[:n]                      # flip the first group only
+        other[:n] = 1.0 - other[:n]  # flip the first group only
         changed = compute_advantages(other, n, method)
         torch.testing.assert_close(changed[n:], base[n:])
 

@@ -1,4 +1,5 @@
 "countdown_reward never raises or hangs, and agrees with an independent exact evaluation on generated expressions."
+
 import random, time
 from fractions import Fraction
 
@@ -24,12 +25,14 @@ def test_answer_like_text_gives_zero_or_one(body, nums, target):
 
 
 def test_hostile_inputs_are_fast_and_zero():
-    hostile = ["<answer>" + "(" * 10_000 + "1" + ")" * 10_000 + "</answer>",
-               "<answer>" + "9" * 100_000 + " * " + "9" * 100_000 + "</answer>",
-               "<answer>" + "1+" * 50_000 + "1</answer>",
-               "<answer>" * 50_000 + "</answer>" * 50_000,
-               "<answer>" + " " * 100_000 + "</answer>",
-               "<answer>\u0661 + 2 + 3</answer>"]
+    hostile = [
+        "<answer>" + "(" * 10_000 + "1" + ")" * 10_000 + "</answer>",
+        "<answer>" + "9" * 100_000 + " * " + "9" * 100_000 + "</answer>",
+        "<answer>" + "1+" * 50_000 + "1</answer>",
+        "<answer>" * 50_000 + "</answer>" * 50_000,
+        "<answer>" + " " * 100_000 + "</answer>",
+        "<answer>\u0661 + 2 + 3</answer>",
+    ]
     for text in hostile:
         start = time.perf_counter()
         assert countdown_reward(text, [1, 2, 3], 6) == 0.0
@@ -38,16 +41,22 @@ def test_hostile_inputs_are_fast_and_zero():
 
 def exact_eval(expr):
     "Our own generated expression, evaluated by Python over Fractions (never model text)."
-    try: return eval(_fractions(expr), {"F": Fraction})
-    except ZeroDivisionError: return None
+    try:
+        return eval(_fractions(expr), {"F": Fraction})
+    except ZeroDivisionError:
+        return None
 
 
 def _fractions(expr):
     "Wrap every integer literal of our expression in F(...)."
     out, num = [], ""
     for ch in expr + " ":
-        if ch.isdigit(): num += ch; continue
-        if num: out.append(f"F({num})"); num = ""
+        if ch.isdigit():
+            num += ch
+            continue
+        if num:
+            out.append(f"F({num})")
+            num = ""
         out.append(ch)
     return "".join(out)
 
@@ -88,6 +97,7 @@ def test_cli_task_countdown():
 
 def test_cli_task_class():
     import pytest
+
     train_task, held_out = make_tasks(Config(task="doubles:SplitToyTask"))
     assert (len(train_task), len(held_out)) == (8, 4)
     assert held_out.evaluate(held_out[0], " ok ") and not held_out.evaluate(held_out[0], "no")  # evaluate from reward

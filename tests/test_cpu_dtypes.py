@@ -1,4 +1,5 @@
 "The hot paths run in dtypes this CPU multiplies natively: no bf16 matmul where bf16 is emulated."
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -13,6 +14,7 @@ MATMUL_WORDS = ("mm", "linear", "matmul", "attention", "dot", "conv")
 
 class MatmulDtypes(TorchDispatchMode):
     "Records the dtype of every matrix-product op that runs inside it."
+
     def __init__(self):
         super().__init__()
         self.seen = set()
@@ -21,7 +23,8 @@ class MatmulDtypes(TorchDispatchMode):
         name = func.name()
         if any(w in name for w in MATMUL_WORDS):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            if tensors: self.seen.add((name, tensors[0].dtype))
+            if tensors:
+                self.seen.add((name, tensors[0].dtype))
         return func(*args, **(kwargs or {}))
 
 

@@ -1,4 +1,5 @@
-"""The demo end to end, short: RL raises held-out pass@1 and the training reward; the same run with every advantage 0 does not."""
+"""The demo end to end, short: RL raises held-out pass@1 and the reward; with every advantage 0 it does not."""
+
 import json
 from pathlib import Path
 
@@ -38,18 +39,26 @@ def test_training_reward_rises(runs):
 
 
 def test_zero_advantage_control_does_not_rise(runs):
-    "The same run with every advantage 0: same start, every group without signal, a zero loss and gradient, pass@1 flat while RL's rises."
+    "Every advantage 0: same start, no group with signal, zero loss and gradient, pass@1 flat while RL's rises."
     _, s, control = runs
     rl = s["records"]
     assert len(control) == len(rl)
-    assert control[0]["seq_len"] == rl[0]["seq_len"], "step 0 samples the same completions from the same model and seeds"
+    assert (
+        control[0]["seq_len"] == rl[0]["seq_len"]
+    ), "step 0 samples the same completions from the same model and seeds"
     assert all(r["zero_signal_frac"] == 1 for r in control), "every group of the control has equal (zero) rewards"
-    assert all(r["loss"] == 0 and r["grad_norm"] == 0 for r in control), "zero advantages must give a zero loss and gradient"
-    assert any(r["zero_signal_frac"] < 1 for r in rl) and all(r["grad_norm"] > 0 for r in rl), "the RL run does learn from its groups"
+    assert all(
+        r["loss"] == 0 and r["grad_norm"] == 0 for r in control
+    ), "zero advantages must give a zero loss and gradient"
+    assert any(r["zero_signal_frac"] < 1 for r in rl) and all(
+        r["grad_norm"] > 0 for r in rl
+    ), "the RL run does learn from its groups"
     before, after = before_after(control)
     assert before == s["before"], "the control starts from the same model, problems and seeds"
     assert abs(after - before) <= 0.02, f"control pass@1 {before:.3f} -> {after:.3f}"
-    assert (s["after"] - s["before"]) - (after - before) >= 0.08, f"RL gain {s['after'] - s['before']:.3f}, control gain {after - before:.3f}"
+    assert (s["after"] - s["before"]) - (
+        after - before
+    ) >= 0.08, f"RL gain {s['after'] - s['before']:.3f}, control gain {after - before:.3f}"
 
 
 def test_training_set_size_is_not_a_setting():

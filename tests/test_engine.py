@@ -1,4 +1,5 @@
 "Engine and calculator checks against nanochat's fixtures and the no-cache reference (tiny models, a few seconds)."
+
 import ast, hashlib, json, math, random, threading
 from pathlib import Path
 
@@ -12,8 +13,10 @@ FIX = Path(__file__).parent / "fixtures" / "nanochat"
 # ---------------------------------------------------------------- calculator
 CALC = json.loads((FIX / "calculator.json").read_text())["cases"]
 
+
 def _expr(case):  # the fixture's own recipe for long expressions (test data, not model output)
     return case["expr"] if case["expr"] is not None else eval(case["expr_construction"])
+
 
 @pytest.mark.parametrize("nanochat_format", [True, False])
 def test_calculator_matches_nanochat_fixture(nanochat_format):
@@ -24,9 +27,10 @@ def test_calculator_matches_nanochat_fixture(nanochat_format):
         if case.get("str_error"):  # nanochat returns an int it cannot print (its Engine crashes); we return None
             assert got is None
         elif not nanochat_format and case["result_type"] == "float" and float(case["repr"]).is_integer():
-            assert repr(got) == case["repr"][:-2] and isinstance(got, int), e   # 10.0 -> 10
+            assert repr(got) == case["repr"][:-2] and isinstance(got, int), e  # 10.0 -> 10
         else:
             assert (None if got is None else repr(got)) == case["repr"], e
+
 
 def test_calculator_quirks_and_limits():
     assert use_calculator("'a,b,c'.count(',')") == 4 and use_calculator("'aaa'.count('a', 1)") is None
@@ -35,40 +39,58 @@ def test_calculator_quirks_and_limits():
     assert use_calculator("'a'.zfill(99999999999).count('a')") is None
     assert use_calculator("'abc'.count('a').real") is None
     assert use_calculator("1" * 10_001) is None and use_calculator(b"1+1") is None and use_calculator(None) is None
-    assert use_calculator("1+" * 2000 + "1") == 2001                       # deeper than the recursion limit
+    assert use_calculator("1+" * 2000 + "1") == 2001  # deeper than the recursion limit
     assert use_calculator("-".join(["9" * 4000] * 2)) == 0
-    assert use_calculator("1 or 1/0".replace(" or ", "+0*")) is None          # 1+0*1/0 -> ZeroDivisionError
-    assert use_calculator("'ab'.count('a') or 'x'.count(1)") == 1              # short-circuit like Python
+    assert use_calculator("1 or 1/0".replace(" or ", "+0*")) is None  # 1+0*1/0 -> ZeroDivisionError
+    assert use_calculator("'ab'.count('a') or 'x'.count(1)") == 1  # short-circuit like Python
     assert use_calculator("'x'.count('y') or 'ab'.upper().count('A')") == 1
     assert use_calculator("12/60") == 0.2 and use_calculator("0.2*50") == 10 and use_calculator("0.2*50", True) == 10.0
     assert str(use_calculator("-0.5*2")) == "-1"
 
+
 def test_string_arithmetic_is_refused():
     "nanochat's string form has no + or *; our evaluator refuses them too (unbounded growth). Never raises."
     from nanorl.calculator import FAILED, _evaluate
-    for e in ["('ab'+'cd').count('a')", "('ab'*3).count('a')", "'x'.count('x') + 1", "('a'*99999999999).count('a')", "'ab'+'cd'"]:
+
+    for e in [
+        "('ab'+'cd').count('a')",
+        "('ab'*3).count('a')",
+        "'x'.count('x') + 1",
+        "('a'*99999999999).count('a')",
+        "'ab'+'cd'",
+    ]:
         assert use_calculator(e) is None and use_calculator(e, nanochat_format=True) is None, e
     for e in ["('ab'+'cd').count('a')", "('ab'*3).count('a')", "('a'*99999999999).count('a')", "'ab'+'cd'", "3*'ab'"]:
-        assert _evaluate(ast.parse(e, mode="eval"), float("inf")) is FAILED, e   # refused even past the character rules
+        assert _evaluate(ast.parse(e, mode="eval"), float("inf")) is FAILED, e  # refused even past the character rules
+
 
 def test_calculator_in_threads():
     out = {}
     ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, use_calculator(f"{i}*{i}"))) for i in range(4)]
-    for t in ts: t.start()
-    for t in ts: t.join()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
     assert out == {i: i * i for i in range(4)}
+
 
 def test_calculator_random_arithmetic_against_python():
     rnd = random.Random(1)
+
     def gen(d=0):
-        if d > 4 or rnd.random() < 0.3: return rnd.choice(["3", "0", "17", "2.5", ".5", "1,234", "(8)", "-6", "1."])
+        if d > 4 or rnd.random() < 0.3:
+            return rnd.choice(["3", "0", "17", "2.5", ".5", "1,234", "(8)", "-6", "1."])
         return gen(d + 1) + rnd.choice(["+", " - ", "*", "/", "//"]) + gen(d + 1)
+
     for _ in range(1000):
         e = gen()
-        try: want = eval(e.replace(",", ""), {"__builtins__": {}})   # oracle on our own generated strings
-        except ZeroDivisionError: want = None
+        try:
+            want = eval(e.replace(",", ""), {"__builtins__": {}})  # oracle on our own generated strings
+        except ZeroDivisionError:
+            want = None
         got = use_calculator(e, nanochat_format=True)
         assert got == want or (isinstance(want, float) and math.isnan(want) and math.isnan(got)), e
+
 
 # ---------------------------------------------------------------- sampling
 def test_sample_next_token_contract():
@@ -76,13 +98,16 @@ def test_sample_next_token_contract():
     assert sample_next_token(logits, None, temperature=0.0).tolist() == [[1], [0]]
     out = sample_next_token(logits, torch.Generator().manual_seed(0), temperature=1.0, top_k=1)
     assert out.shape == (2, 1) and out.tolist() == [[1], [0]]
-    with pytest.raises(ValueError): sample_next_token(logits, None, temperature=-1.0)
+    with pytest.raises(ValueError):
+        sample_next_token(logits, None, temperature=-1.0)
+
 
 def test_gumbel_noise_matches_softmax():
     logits = torch.tensor([1.5, 0.5, 0.0, -2.0])
     keys = torch.tensor([row_key(3, j) for j in range(40_000)])
     picks = (logits + gumbel_noise(keys, 0, torch.arange(4).expand(len(keys), 4))).argmax(-1)
     assert torch.allclose(torch.bincount(picks, minlength=4) / len(keys), torch.softmax(logits, -1), atol=0.01)
+
 
 # ---------------------------------------------------------------- engine vs nanochat fixtures
 @pytest.mark.parametrize("gen", ["head", "oct2025"])
@@ -96,6 +121,7 @@ def test_greedy_equals_nanochat(gen, tok):
     cols = [c for c, _ in eng.generate(prefix, num_samples=2, max_tokens=24, temperature=0.0)]
     assert cols == json.loads((FIX / f"reference_{gen}.json").read_text())["engine"]["greedy"]["stream_columns"]
 
+
 def test_tool_script_replay(tok):
     script = json.loads((FIX / "engine_tool_script.json").read_text())
     for case in script["cases"]:
@@ -106,26 +132,34 @@ def test_tool_script_replay(tok):
         assert [[c, m] for c, m in eng.generate(script["prefix"], **kw)] == case["stream"], case["name"]
     # default formatting forces "10" where nanochat forces "10.0"
     case = script["cases"][0]
-    seqs, _ = Engine(ScriptedModel(case["scripts"], tok.get_vocab_size(), tok.encode_special("<|assistant_end|>")), tok).generate_batch(
-        script["prefix"], 2, script["max_tokens"], temperature=0.0)
+    seqs, _ = Engine(
+        ScriptedModel(case["scripts"], tok.get_vocab_size(), tok.encode_special("<|assistant_end|>")), tok
+    ).generate_batch(script["prefix"], 2, script["max_tokens"], temperature=0.0)
     assert "<|output_start|>10<|output_end|>" in tok.decode(seqs[0])
+
 
 # ---------------------------------------------------------------- engine vs the no-cache reference
 @pytest.fixture(scope="module")
 def tool_model(tok):
     return BiasedModel(load_fixture_model("head"), tool_bias(tok))
 
+
 @pytest.fixture(scope="module")
 def prompt(tok):
-    return tok.render_for_completion({"messages": [{"role": "user", "content": "What is 6 times 7?"}, {"role": "assistant", "content": ""}]})
+    return tok.render_for_completion(
+        {"messages": [{"role": "user", "content": "What is 6 times 7?"}, {"role": "assistant", "content": ""}]}
+    )
+
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 50), (0.8, None), (0.0, None)])
 def test_engine_equals_no_cache_reference(tok, tool_model, prompt, temperature, top_k):
     eng = Engine(tool_model, tok)
     kw = dict(num_samples=6, max_tokens=32, temperature=temperature, top_k=top_k, seed=1)
     got = eng.generate_batch(prompt, **kw)
-    assert got == reference_generate(tool_model, tok, prompt, **kw)
-    if temperature > 0: assert eng.last_stats["tool_calls"] > 0 and eng.last_stats["forced_tokens"] > 0
+    assert got == reference_generate(Engine(tool_model, tok), prompt, **kw)
+    if temperature > 0:
+        assert eng.last_stats["tool_calls"] > 0 and eng.last_stats["forced_tokens"] > 0
+
 
 def test_retirement_and_batching_change_nothing(tok, tool_model, prompt):
     prompts = [prompt, prompt[:5], tok.encode("Total:", prepend="<|bos|>")]
@@ -133,25 +167,30 @@ def test_retirement_and_batching_change_nothing(tok, tool_model, prompt):
     many = eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3])
     stats = dict(eng.last_stats)
     assert stats["rows_retired"] > 0 and stats["forward_rows"] < stats["rows"] * stats["decode_steps"]
-    eng.compact_fraction = 10.0          # never compact: finished rows stay in the batch
+    eng.compact_fraction = 10.0  # never compact: finished rows stay in the batch
     assert eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3]) == many
-    eng.compact_fraction = 0.0           # compact at every finish
+    eng.compact_fraction = 0.0  # compact at every finish
     assert eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3]) == many
     singles = [eng.generate_batch(p, 4, 24, top_k=50, seed=s) for p, s in zip(prompts, [1, 2, 3])]
     assert many == ([s for q, _ in singles for s in q], [m for _, ms in singles for m in ms])
     assert stats["sampled_tokens"] + stats["forced_tokens"] == sum(len(s) for s in many[0]) - 4 * sum(map(len, prompts))
+
 
 def test_determinism_min_new_tokens_and_errors(tok, tool_model, prompt):
     eng = Engine(tool_model, tok)
     a = eng.generate_batch(prompt, 3, 16, seed=7)
     assert a == eng.generate_batch(prompt, 3, 16, seed=7) and a != eng.generate_batch(prompt, 3, 16, seed=8)
     seqs, _ = eng.generate_batch(prompt, 3, 20, seed=7, min_new_tokens=20)
-    assert all(len(s) == len(prompt) + 20 for s in seqs)   # stop tokens suppressed
+    assert all(len(s) == len(prompt) + 20 for s in seqs)  # stop tokens suppressed
     assert eng.generate_batch(prompt, 2, 0) == ([prompt, prompt], [[0] * len(prompt)] * 2)
     for bad in [dict(num_samples=0), dict(max_tokens=10 * 256), dict(temperature=-1.0)]:
-        with pytest.raises(ValueError): eng.generate_batch(prompt, **{"num_samples": 1, "max_tokens": 4, **bad})
-    with pytest.raises(ValueError): eng.generate_many([prompt, []], 1, 4)
-    with pytest.raises(ValueError): eng.generate_many([prompt, prompt], 1, 4, seed=[1])
+        with pytest.raises(ValueError):
+            eng.generate_batch(prompt, **{"num_samples": 1, "max_tokens": 4, **bad})
+    with pytest.raises(ValueError):
+        eng.generate_many([prompt, []], 1, 4)
+    with pytest.raises(ValueError):
+        eng.generate_many([prompt, prompt], 1, 4, seed=[1])
+
 
 # ---------------------------------------------------------------- seeds, tool-call stats, chunked noise, min_new_tokens
 def test_seeds_may_be_any_integer_type(tok, tool_model, prompt):
@@ -163,49 +202,72 @@ def test_seeds_may_be_any_integer_type(tok, tool_model, prompt):
     assert eng.generate_many(prompts, 2, 6, seed=np.array([3, 4])) == want
     assert eng.generate_batch(prompt, 2, 6, seed=np.int32(3)) == eng.generate_batch(prompt, 2, 6, seed=3)
     assert list(eng.generate(prompt, 2, 6, seed=np.int64(3))) == list(eng.generate(prompt, 2, 6, seed=3))
-    assert reference_generate(tool_model, tok, prompt, 2, 6, seed=np.int64(3)) == eng.generate_batch(prompt, 2, 6, seed=3)
+    want = eng.generate_batch(prompt, 2, 6, seed=3)
+    assert reference_generate(Engine(tool_model, tok), prompt, 2, 6, seed=np.int64(3)) == want
     for bad in [True, 3.0, "3", b"3", None, [3, 4.0], [3, True], [3], np.float64(3), {"a": 1}]:
-        with pytest.raises(ValueError, match="seed must be an integer"): eng.generate_many(prompts, 2, 6, seed=bad)
-    with pytest.raises(ValueError, match="seed must be an integer"): list(eng.generate(prompt, 2, 6, seed=np.float32(1)))
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            eng.generate_many(prompts, 2, 6, seed=bad)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        list(eng.generate(prompt, 2, 6, seed=np.float32(1)))
+
 
 def test_stream_counts_only_tool_calls_of_running_rows(tok):
     sp = tok.encode_special
     end, py_start, py_end = sp("<|assistant_end|>"), sp("<|python_start|>"), sp("<|python_end|>")
     first, word = tok.encode("The")[0], tok.encode(" so")[0]
-    scripts = [[first, end, py_start, *tok.encode("2+2"), py_end, word, word, py_start, *tok.encode("1/0"), py_end, word],
-               [first, word, py_start, *tok.encode("6*7"), py_end, word, py_start, *tok.encode("1/0"), py_end, *[word] * 8, end]]
+    scripts = [
+        [first, end, py_start, *tok.encode("2+2"), py_end, word, word, py_start, *tok.encode("1/0"), py_end, word],
+        [
+            first,
+            word,
+            py_start,
+            *tok.encode("6*7"),
+            py_end,
+            word,
+            py_start,
+            *tok.encode("1/0"),
+            py_end,
+            *[word] * 8,
+            end,
+        ],
+    ]
     eng = Engine(ScriptedModel(scripts, tok.get_vocab_size(), end), tok)
     stream = list(eng.generate([tok.get_bos_token_id()], num_samples=2, max_tokens=40, temperature=0.0))
     cols = [c for c, _ in stream]
-    assert cols[1][0] == end and sum(c[0] == py_end for c in cols) == 2   # row 0 finished, then made two calls
-    assert any(m[0] == 0 for _, m in stream)                               # ... whose output is still forced
-    assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)   # only row 1's calls
+    assert cols[1][0] == end and sum(c[0] == py_end for c in cols) == 2  # row 0 finished, then made two calls
+    assert any(m[0] == 0 for _, m in stream)  # ... whose output is still forced
+    assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)  # only row 1's calls
     eng.generate_batch([tok.get_bos_token_id()], num_samples=2, max_tokens=40, temperature=0.0)
     assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)
 
+
 def test_full_vocab_noise_is_chunked_and_chunks_change_nothing(tok, tool_model, prompt, monkeypatch):
     import nanorl.engine as engine
+
     shapes = []
+
     def recording_noise(keys, step, token_hash):
         out = gumbel_noise(keys, step, token_hash)
         shapes.append(tuple(out.shape))
         return out
+
     monkeypatch.setattr(engine, "gumbel_noise", recording_noise)
     eng, prompts = Engine(tool_model, tok), [prompt, prompt[:5], tok.encode("Total:", prepend="<|bos|>")]
     kw = dict(num_samples=6, max_tokens=16, temperature=0.9, top_k=None, seed=[4, 5, 6])
     whole = eng.generate_many(prompts, **kw)
     V = shapes[0][1]
-    assert V == tool_model.config.vocab_size and shapes[0][0] == 18               # small batch: one chunk
-    for rows in [1, 4]:                                                            # 18 rows: 4 leaves a short last chunk
+    assert V == tool_model.config.vocab_size and shapes[0][0] == 18  # small batch: one chunk
+    for rows in [1, 4]:  # 18 rows: 4 leaves a short last chunk
         monkeypatch.setattr(engine, "NOISE_CHUNK_ELEMENTS", rows * V)
         shapes.clear()
         assert eng.generate_many(prompts, **kw) == whole
         assert max(r for r, _ in shapes) == rows and any(r < rows for r, _ in shapes) == (rows > 1)
     monkeypatch.setattr(engine, "NOISE_CHUNK_ELEMENTS", 1 << 21)
-    big = torch.randn(256, 65536)                                                   # nanochat's vocabulary at the RL batch
+    big = torch.randn(256, 65536)  # nanochat's vocabulary at the RL batch
     shapes.clear()
     Engine(tool_model, tok).sample_full_vocab(big, torch.arange(256), 0, 1.0)
     assert max(r * v for r, v in shapes) <= 1 << 21 and sum(r for r, _ in shapes) == 256
+
 
 def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, prompt):
     bias = torch.zeros(tok.get_vocab_size())
@@ -214,14 +276,15 @@ def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, pro
     model = BiasedModel(tool_model.base, bias)
     kw = dict(num_samples=8, max_tokens=16, temperature=1.0, top_k=None, seed=11)
     free = [len(s) - len(prompt) for s in Engine(model, tok).generate_batch(prompt, **kw)[0]]
-    assert min(free) == 0                                                         # the bias really stops rows
+    assert min(free) == 0  # the bias really stops rows
     eng = Engine(model, tok)
     seqs, masks = eng.generate_batch(prompt, min_new_tokens=6, **kw)
     held = [len(s) - len(prompt) for s in seqs]
     assert min(held) >= 6 and max(held) < 16 and eng.last_stats["finished_rows"] == 8
     cols = [c for c, _ in eng.generate(prompt, min_new_tokens=6, **kw)]
     assert not any(t in stops for c in cols[:6] for t in c) and any(t in stops for t in cols[6])
-    assert (seqs, masks) == reference_generate(model, tok, prompt, min_new_tokens=6, **kw)
+    assert (seqs, masks) == reference_generate(Engine(model, tok), prompt, min_new_tokens=6, **kw)
+
 
 # ---------------------------------------------------------------- the packed head
 def test_packed_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch):
@@ -231,14 +294,16 @@ def test_packed_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch
     with torch.no_grad(), fast_cpu.packed_weights(model):
         assert model.lm_head.pack is not None
         packed = model.unembed(h, softcap=False)
-    with torch.no_grad(): assert torch.allclose(packed, model.unembed(h, softcap=False), atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(packed, model.unembed(h, softcap=False), atol=1e-4)
     packs, real = [], fast_cpu.PackedLinear
     monkeypatch.setattr(fast_cpu, "PackedLinear", lambda weight: packs.append(tuple(weight.shape)) or real(weight))
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
     eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS - 1, seed=1)
-    assert packs == []                                                   # too short to pay for packing
+    assert packs == []  # too short to pay for packing
     eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS, seed=1)
-    assert packs.count((model.config.vocab_size, model.config.n_embd)) == 1   # the head, once per generate call
+    assert packs.count((model.config.vocab_size, model.config.n_embd)) == 1  # the head, once per generate call
+
 
 def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
     model = load_fixture_model("head")
@@ -246,15 +311,18 @@ def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
     monkeypatch.setattr(fast_cpu, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
     seen = []
     real = Engine.pick_tokens
-    monkeypatch.setattr(Engine, "pick_tokens", lambda self, *a, **k: seen.append(mlp.pack is not None) or real(self, *a, **k))
+    monkeypatch.setattr(
+        Engine, "pick_tokens", lambda self, *a, **k: seen.append(mlp.pack is not None) or real(self, *a, **k)
+    )
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
     packed = eng.generate_batch(prompt, 2, 12, seed=3)
-    assert seen and all(seen) and mlp.pack is None                       # packed during the call, dropped after it
-    with torch.backends.mkldnn.flags(enabled=False):                     # the same call on F.linear: the same tokens
+    assert seen and all(seen) and mlp.pack is None  # packed during the call, dropped after it
+    with torch.backends.mkldnn.flags(enabled=False):  # the same call on F.linear: the same tokens
         assert eng.generate_batch(prompt, 2, 12, seed=3) == packed
     seen.clear()
     eng.generate_batch(prompt, 2, 4, seed=3)
-    assert seen and not any(seen)                                        # too short: no block
+    assert seen and not any(seen)  # too short: no block
+
 
 def test_pick_tokens_leaves_its_input_alone(tok, tool_model):
     eng = Engine(tool_model, tok)

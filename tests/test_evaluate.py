@@ -1,4 +1,5 @@
 "Two-process gloo run of the pass@k evaluation loop, and estimator properties beyond the notebook."
+
 import json, os, subprocess, sys
 from pathlib import Path
 
@@ -37,12 +38,14 @@ def test_vectorized_equals_scalar_and_is_monotone(n, data):
     scal = torch.tensor([pass_at_k(n, int(ci), k) for ci in c], dtype=torch.float64)
     torch.testing.assert_close(vec, scal, rtol=0, atol=1e-12)
     assert (vec.diff() >= -1e-12).all()
-    if k < n: assert (pass_at_k(n, c, k + 1) >= vec - 1e-12).all()
+    if k < n:
+        assert (pass_at_k(n, c, k + 1) >= vec - 1e-12).all()
 
 
 def test_unbiased_matches_mean_of_first_k_over_orderings():
     "Averaging nanochat's first-k estimate over all orderings of the samples gives the unbiased estimator."
     import itertools
+
     samples = [1, 0, 0, 1, 0]
     for k in range(1, 6):
         perms = list(itertools.permutations(samples))

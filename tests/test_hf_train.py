@@ -1,5 +1,6 @@
 """Hugging Face chat models end to end: load_model on HF hf_folders, RL training with --model-path, HF checkpoints that
 transformers loads, exact resume, sharded saves, clear errors for incomplete hf_folders, the engine's stop tokens."""
+
 import json, os, shutil, subprocess, sys
 from pathlib import Path
 
@@ -7,18 +8,50 @@ import pytest
 import torch
 
 from doubles import save_tiny_hf_model, token_biased
-from nanorl.checkpoint import (SAFETENSORS_INDEX, CheckpointError, hf_checkpoint_steps, load_model, read_hf_state,
-                               save_hf_checkpoint)
+from nanorl.checkpoint import (
+    SAFETENSORS_INDEX,
+    CheckpointError,
+    hf_checkpoint_steps,
+    load_model,
+    read_hf_state,
+    save_hf_checkpoint,
+)
 from nanorl.engine import DEFAULT_MAX_NEW_TOKENS, Engine, reference_generate
 from nanorl.train import Config, build_optimizer, train
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-       "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-SMALL = ["--task", "doubles:toy_tasks", "--device-type", "cpu", "--examples-per-step", "2", "--num-samples", "4",
-         "--device-batch-size", "4", "--max-new-tokens", "12", "--eval-every", "100", "--eval-examples", "2",
-         "--save-every", "100", "--lr", "1e-3", "--seed", "7"]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    "OMP_NUM_THREADS": "1",
+    "WANDB_MODE": "disabled",
+    "HF_HUB_OFFLINE": "1",
+}
+SMALL = [
+    "--task",
+    "doubles:toy_tasks",
+    "--device-type",
+    "cpu",
+    "--examples-per-step",
+    "2",
+    "--num-samples",
+    "4",
+    "--device-batch-size",
+    "4",
+    "--max-new-tokens",
+    "12",
+    "--eval-every",
+    "100",
+    "--eval-examples",
+    "2",
+    "--save-every",
+    "100",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+]
 IDS = torch.randint(0, 500, (2, 23), generator=torch.Generator().manual_seed(3))
 
 
@@ -66,6 +99,7 @@ def assert_same(a, b, where=""):
 
 # ---------------------------------------------------------------- loading
 
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_load_model_of_hf_folder_equals_transformers(hf_folders, kind):
     folder, theirs = hf_folders[kind]
@@ -74,7 +108,7 @@ def test_load_model_of_hf_folder_equals_transformers(hf_folders, kind):
         assert (model(IDS) - theirs(IDS).logits).abs().max() < 1e-4
     assert model.training and meta["nanorl"] == {"format": "hf", "path": str(folder), "step": None}
     assert meta["model_config"] == json.loads((folder / "config.json").read_text())
-    assert tok.get_vocab_size() <= model.config.vocab_size            # Qwen2 here: 8 rows wider, no error
+    assert tok.get_vocab_size() <= model.config.vocab_size  # Qwen2 here: 8 rows wider, no error
 
 
 @pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
@@ -85,14 +119,32 @@ def test_missing_files_are_named(hf_folders, tmp_path, missing):
     with pytest.raises(CheckpointError) as e:
         load_model(broken, "cpu")
     assert missing in str(e.value) and str(broken) in str(e.value)
-    p = subprocess.run([sys.executable, "-m", "nanorl.train", "--model-path", str(broken), "--output-dir",
-                        str(tmp_path / "out"), *SMALL], env=ENV, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanorl.train",
+            "--model-path",
+            str(broken),
+            "--output-dir",
+            str(tmp_path / "out"),
+            *SMALL,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "nanorl.train: error:" in p.stderr and missing in p.stderr, p.stderr[-2000:]
 
 
 def test_missing_shard_is_named(hf_folders, tmp_path):
-    out = save_hf_checkpoint(tmp_path / "sharded", load_model(hf_folders["llama"][0], "cpu")[0], hf_folders["llama"][0],
-                             max_shard_bytes=30_000)
+    out = save_hf_checkpoint(
+        tmp_path / "sharded",
+        load_model(hf_folders["llama"][0], "cpu")[0],
+        hf_folders["llama"][0],
+        max_shard_bytes=30_000,
+    )
     shard = json.loads((out / SAFETENSORS_INDEX).read_text())["weight_map"]["lm_head.weight"]
     (out / shard).unlink()
     with pytest.raises(CheckpointError, match=shard):
@@ -100,6 +152,7 @@ def test_missing_shard_is_named(hf_folders, tmp_path):
 
 
 # ---------------------------------------------------------------- saving
+
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_forced_sharding_round_trips_through_transformers(hf_folders, tmp_path, kind):
@@ -109,7 +162,7 @@ def test_forced_sharding_round_trips_through_transformers(hf_folders, tmp_path, 
     index = json.loads((out / SAFETENSORS_INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
-    assert ("lm_head.weight" in index["weight_map"]) == (kind == "llama")     # a tied head is not written twice
+    assert ("lm_head.weight" in index["weight_map"]) == (kind == "llama")  # a tied head is not written twice
     copied = {f.name for f in source.iterdir()} - {"model.safetensors"}
     assert {f.name for f in out.iterdir()} == copied | {SAFETENSORS_INDEX, *shards}
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
@@ -118,7 +171,7 @@ def test_forced_sharding_round_trips_through_transformers(hf_folders, tmp_path, 
     with torch.no_grad():
         assert torch.equal(hf_logits(out), model(IDS))
     assert_same(tensors(out), dict(model.state_dict()))
-    whole = save_hf_checkpoint(tmp_path / "whole", model, source)                      # default: one file
+    whole = save_hf_checkpoint(tmp_path / "whole", model, source)  # default: one file
     assert (whole / "model.safetensors").is_file() and not (whole / SAFETENSORS_INDEX).exists()
 
 
@@ -135,21 +188,42 @@ def test_saving_bfloat16_sets_the_config_dtype(hf_folders, tmp_path):
 
 # ---------------------------------------------------------------- training
 
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_cli_trains_and_writes_an_hf_checkpoint(hf_folders, tmp_path, kind):
     source = hf_folders[kind][0]
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "nanorl.train", "--model-path", str(source), "--output-dir", str(out),
-                        "--num-steps", "2", *SMALL], env=ENV, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanorl.train",
+            "--model-path",
+            str(source),
+            "--output-dir",
+            str(out),
+            "--num-steps",
+            "2",
+            *SMALL,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     run = out / "chatrl_checkpoints" / kind
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1]
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in recs)
-    assert recs[0]["lr"] == pytest.approx(1e-3)                        # --lr, not scaled by --init-lr-frac
+    assert recs[0]["lr"] == pytest.approx(1e-3)  # --lr, not scaled by --init-lr-frac
     assert hf_checkpoint_steps(run) == [1]
-    assert {f.name for f in run.iterdir()} == {"step_000001", "optim_000001_rank0.pt", "resume_000001_rank0.pt",
-                                               "metrics.jsonl"}
+    assert {f.name for f in run.iterdir()} == {
+        "step_000001",
+        "optim_000001_rank0.pt",
+        "resume_000001_rank0.pt",
+        "metrics.jsonl",
+    }
     step = run / "step_000001"
     with torch.no_grad():
         theirs, ours = hf_logits(step), our_logits(step)
@@ -157,16 +231,31 @@ def test_cli_trains_and_writes_an_hf_checkpoint(hf_folders, tmp_path, kind):
     moved = max((tensors(step)[k] - v).abs().max().item() for k, v in tensors(source).items())
     assert moved > 1e-5, "training did not change the weights"
     assert json.loads((step / "config.json").read_text()) == json.loads((source / "config.json").read_text())
-    model, _, meta = load_model(run, "cpu")                             # the run directory: its newest step
+    model, _, meta = load_model(run, "cpu")  # the run directory: its newest step
     assert meta["step"] == 1 and torch.equal(model(IDS), ours)
 
 
 def hf_run_config(folder, out, **kw):
     "The small HF run, in-process: checkpoints every step, evaluation at steps 0 and 3."
-    return Config(**{"model_path": str(folder), "output_dir": str(out), "task": "doubles:toy_tasks",
-                     "device_type": "cpu", "num_steps": 4, "examples_per_step": 2, "num_samples": 4,
-                     "device_batch_size": 4, "max_new_tokens": 10, "eval_every": 3, "eval_examples": 2,
-                     "save_every": 1, "lr": 1e-3, "seed": 5, **kw})
+    return Config(
+        **{
+            "model_path": str(folder),
+            "output_dir": str(out),
+            "task": "doubles:toy_tasks",
+            "device_type": "cpu",
+            "num_steps": 4,
+            "examples_per_step": 2,
+            "num_samples": 4,
+            "device_batch_size": 4,
+            "max_new_tokens": 10,
+            "eval_every": 3,
+            "eval_examples": 2,
+            "save_every": 1,
+            "lr": 1e-3,
+            "seed": 5,
+            **kw,
+        }
+    )
 
 
 def test_resume_equals_an_unbroken_run_bitwise(hf_folders, tmp_path):
@@ -175,8 +264,8 @@ def test_resume_equals_an_unbroken_run_bitwise(hf_folders, tmp_path):
     unbroken = train(hf_run_config(source, whole))
     train(hf_run_config(source, cut))
     run = cut / "chatrl_checkpoints" / "qwen2"
-    shutil.rmtree(run / "step_000003")              # killed while writing step 3's folder: its other files exist
-    shutil.rmtree(run / "step_000002")              # and step 2 is gone entirely
+    shutil.rmtree(run / "step_000003")  # killed while writing step 3's folder: its other files exist
+    shutil.rmtree(run / "step_000002")  # and step 2 is gone entirely
     for f in run.glob("*_000002_*"):
         f.unlink()
     with pytest.raises(ValueError, match="already holds checkpoints"):
@@ -204,6 +293,7 @@ def test_build_optimizer_uses_lr_for_hf_models(hf_folders):
 
 # ---------------------------------------------------------------- the engine's stop tokens and default length
 
+
 def test_engine_stops_on_generation_config_eos(hf_folders):
     "Llama 3's <|end_of_text|> is an eos of generation_config.json, neither end of turn nor bos: a row stops on it."
     model, tok, _ = load_model(hf_folders["llama"][0], "cpu")
@@ -212,22 +302,24 @@ def test_engine_stops_on_generation_config_eos(hf_folders):
     biased = token_biased(model, eos)
     engine = Engine(biased, tok)
     assert engine.stop_tokens == set(tok.get_stop_token_ids())
-    prompt = tok.render_for_completion({"messages": [{"role": "user", "content": "2+2?"},
-                                                     {"role": "assistant", "content": "4"}]})
+    prompt = tok.render_for_completion(
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    )
     seqs, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=6, seed=1)
     assert seqs == [prompt, prompt] and masks == [[0] * len(prompt)] * 2
-    ref, _ = reference_generate(biased, tok, prompt, num_samples=2, max_tokens=6, seed=1)
+    ref, _ = reference_generate(Engine(biased, tok), prompt, num_samples=2, max_tokens=6, seed=1)
     assert ref == seqs
     more, _ = engine.generate_batch(prompt, num_samples=2, max_tokens=6, seed=1, min_new_tokens=3)
-    assert all(len(s) == len(prompt) + 3 and eos not in s[len(prompt):] for s in more)
+    assert all(len(s) == len(prompt) + 3 and eos not in s[len(prompt) :] for s in more)
 
 
 def test_default_max_tokens_is_capped():
     "Without max_tokens a row may grow to sequence_len, but by at most DEFAULT_MAX_NEW_TOKENS (Qwen: 32768 positions)."
     from doubles import ScriptedModel, nanochat_tokenizer
+
     tok = nanochat_tokenizer()
     end = tok.encode_special("<|assistant_end|>")
     long = Engine(ScriptedModel([[5]], tok.get_vocab_size(), end, sequence_len=32768), tok)
     assert long.check_request([[1, 2, 3]], 1, None, 1.0, 0)[0] == DEFAULT_MAX_NEW_TOKENS == 4096
     short = Engine(ScriptedModel([[5]], tok.get_vocab_size(), end, sequence_len=256), tok)
-    assert short.check_request([[1, 2, 3]], 1, None, 1.0, 0)[0] == 253          # nanochat's models: unchanged
+    assert short.check_request([[1, 2, 3]], 1, None, 1.0, 0)[0] == 253  # nanochat's models: unchanged

@@ -1,4 +1,5 @@
-"""The house rules: notebooks are named by their modules, imports flow down the notebook order, nothing is defined twice."""
+"""House rules: notebooks named by their modules, imports down the notebook order, nothing defined twice."""
+
 import ast
 import json
 import re
@@ -58,9 +59,12 @@ def test_every_module_has_its_notebook():
 def test_imports_flow_down_the_notebook_order():
     "A module imports only modules of earlier notebooks."
     order = notebook_modules()
-    upward = [f"nanorl/{p.name}:{line} imports nanorl.{mod} (notebook {order.get(mod)} >= {order[p.stem]})"
-              for p in library_files() for mod, line in internal_imports(p)
-              if mod not in order or order[mod] >= order[p.stem]]
+    upward = [
+        f"nanorl/{p.name}:{line} imports nanorl.{mod} (notebook {order.get(mod)} >= {order[p.stem]})"
+        for p in library_files()
+        for mod, line in internal_imports(p)
+        if mod not in order or order[mod] >= order[p.stem]
+    ]
     assert not upward, "imports against the course order:\n" + "\n".join(upward)
 
 
@@ -83,7 +87,7 @@ def test_the_order_test_can_fail(tmp_path):
 
 # ------------------------------------------------------------------ nothing defined twice
 
-ALLOWED_TWICE = {"main"}   # every runnable script has its own entry point
+ALLOWED_TWICE = {"main"}  # every runnable script has its own entry point
 
 
 def top_level_names(source: str) -> list[str]:
@@ -106,7 +110,7 @@ def definitions() -> dict:
             where[name].append(f"nanorl/{p.name}")
     for nb in sorted(NBS.glob("*.ipynb")):
         for src in code_cells(nb):
-            if re.match(r"^#\|\s*export", src):        # exported: the same definition as the module's
+            if re.match(r"^#\|\s*export", src):  # exported: the same definition as the module's
                 continue
             for name in top_level_names(src):
                 where[name].append(f"nbs/{nb.name}")
@@ -118,6 +122,5 @@ def definitions() -> dict:
 
 def test_nothing_is_defined_twice():
     "No test double or helper is defined twice across nbs/, tests/ and nanorl/."
-    twice = {name: places for name, places in definitions().items()
-             if len(places) > 1 and name not in ALLOWED_TWICE}
+    twice = {name: places for name, places in definitions().items() if len(places) > 1 and name not in ALLOWED_TWICE}
     assert not twice, "defined more than once:\n" + "\n".join(f"{n}: {p}" for n, p in sorted(twice.items()))

@@ -1,4 +1,5 @@
 """Hugging Face chat models against transformers: config layouts, logits, losses, greedy generation, chat templates."""
+
 import json
 import shutil
 
@@ -10,11 +11,18 @@ transformers = pytest.importorskip("transformers")
 
 from doubles import HF_KINDS, gsm8k_chat_conversations, save_tiny_hf_model, tiny_hf_tokenizer, to_transformers4_layout
 from nanorl.engine import Engine
-from nanorl.llama import (ChatTokenizer, DecoderConfig, config_from_dict, load_llama, message_text, rope_settings,
-                          template_messages)
+from nanorl.llama import (
+    ChatTokenizer,
+    DecoderConfig,
+    config_from_dict,
+    load_llama,
+    message_text,
+    rope_settings,
+    template_messages,
+)
 
 KINDS = ("qwen2", "qwen3", "llama")
-SAVE = {"qwen2": {}, "qwen3": {"max_shard_size": "40KB"}, "llama": {"dtype": torch.bfloat16}}   # sharded; bf16 file
+SAVE = {"qwen2": {}, "qwen3": {"max_shard_size": "40KB"}, "llama": {"dtype": torch.bfloat16}}  # sharded; bf16 file
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +43,7 @@ def sample_ids(vocab_size, n=40, seed=0):
 
 # ------------------------------------------------------------------ config
 
+
 def test_both_config_layouts_read_the_same(folders, tmp_path):
     "transformers 5's rope_parameters and 4.x's rope_theta/rope_scaling give the same config, for every family."
     for kind, (folder, _) in folders.items():
@@ -53,9 +62,21 @@ def test_config_fields():
     assert q2.tie_word_embeddings
     q3 = config_from_dict({**base, "model_type": "qwen3", "head_dim": 32, "num_key_value_heads": 1})
     assert (q3.attention_bias, q3.qk_norm, q3.head_dim, q3.num_key_value_heads) == (False, True, 32, 1)
-    ll = config_from_dict({**base, "model_type": "llama", "attention_bias": True, "rope_theta": 5e5, "rope_scaling": {
-        "type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}})
+    ll = config_from_dict(
+        {
+            **base,
+            "model_type": "llama",
+            "attention_bias": True,
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert (ll.attention_bias, ll.o_proj_bias, ll.rope_theta, ll.rope_scaling.factor) == (True, True, 5e5, 32.0)
     assert ll.sequence_len == ll.max_position_embeddings
 
@@ -75,6 +96,7 @@ def test_config_errors(tmp_path):
 
 
 # ------------------------------------------------------------------ the model against transformers
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_and_losses_match_transformers(folders, kind):
@@ -110,8 +132,13 @@ def test_weights_layout(folders):
     assert {p.dtype for p in llama.parameters()} == {torch.bfloat16} and llama.cos.dtype == torch.float32
     assert llama(sample_ids(llama.config.vocab_size)).dtype == torch.float32
     names = set(dict(q3.named_parameters()))
-    assert {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight",
-            "lm_head.weight", "model.layers.0.self_attn.k_norm.weight"} <= names
+    assert {
+        "model.embed_tokens.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+    } <= names
 
 
 @pytest.mark.parametrize("break_it", ["rope_theta", "llama3_scaling", "rms_norm_eps"])
@@ -142,11 +169,14 @@ def test_weight_errors_name_the_file(folders, tmp_path):
     shutil.copy(folder / "model.safetensors", bad / "model.safetensors")
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128, "head_dim": 16}))
-    with pytest.raises(ValueError, match=r"model.safetensors: model.embed_tokens.weight has shape \(600, 64\), "
-                                         r"config.json implies \(600, 128\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: model.embed_tokens.weight has shape \(600, 64\), "
+        r"config.json implies \(600, 128\)",
+    ):
         load_llama(bad)
     (bad / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
-    tied = load_llama(bad)                                              # a tied config ignores a stored head
+    tied = load_llama(bad)  # a tied config ignores a stored head
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"missing from \['model.safetensors'\].*model.layers.2"):
@@ -173,7 +203,7 @@ def test_ragged_kv_cache_rows_match_full_forwards(folders):
             cache.prefill_rows(one, [r])
         for step in range(3):
             col = [[10 + step], [20 + step], [30 + step]]
-            got = model.unembed(model.hidden(torch.tensor(col), kv_cache=cache))[:, -1]    # (3, V)
+            got = model.unembed(model.hidden(torch.tensor(col), kv_cache=cache))[:, -1]  # (3, V)
             seqs = [s + c for s, c in zip(seqs, col)]
             want = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -185,7 +215,7 @@ def test_setup_optimizers(folders):
     model = load_llama(folders["qwen2"][0])
     opt = model.setup_optimizers(lr=2e-6, weight_decay=0.1, unembedding_lr=1e-3)
     groups = {g["name"]: g for g in opt.param_groups}
-    assert set(groups) == {"embedding", "matrix", "vector"}          # tied: no separate head
+    assert set(groups) == {"embedding", "matrix", "vector"}  # tied: no separate head
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
     assert groups["vector"]["weight_decay"] == 0.0 and groups["matrix"]["weight_decay"] == 0.1
     assert all(g["initial_lr"] == g["lr"] == 2e-6 for g in opt.param_groups)
@@ -194,6 +224,7 @@ def test_setup_optimizers(folders):
 
 
 # ------------------------------------------------------------------ generation through the engine
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generation_matches_transformers(folders, kind):
@@ -205,15 +236,16 @@ def test_greedy_generation_matches_transformers(folders, kind):
     for conv in gsm8k_chat_conversations(3)[1:]:
         prompt = tok.render_for_completion(conv)
         seqs, masks = engine.generate_batch(prompt, num_samples=1, max_tokens=20, temperature=0.0)
-        ours = seqs[0][len(prompt):]
+        ours = seqs[0][len(prompt) :]
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt):].tolist()
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt) :].tolist()
         cut = next((j for j, t in enumerate(ref) if t in engine.stop_tokens), len(ref))
         assert ours == ref[:cut]
-        assert seqs[0][:len(prompt)] == prompt and masks[0] == [0] * len(prompt) + [1] * len(ours)
+        assert seqs[0][: len(prompt)] == prompt and masks[0] == [0] * len(prompt) + [1] * len(ours)
 
 
 # ------------------------------------------------------------------ tokenizer and chat templates
+
 
 @pytest.fixture(scope="module")
 def chat_folders(tmp_path_factory):
@@ -239,23 +271,33 @@ def test_chat_template_ids_match_apply_chat_template(chat_folders, family):
         assert ids == hf_tok.apply_chat_template(messages, tokenize=True)["input_ids"]
         assert len(mask) == len(ids)
         prompt = tok.render_for_completion(conv)
-        assert prompt == hf_tok.apply_chat_template(messages[:-1], tokenize=True,
-                                                    add_generation_prompt=True)["input_ids"]
-        assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
+        assert (
+            prompt == hf_tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)["input_ids"]
+        )
+        assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
 
 
 @pytest.mark.parametrize("family,eot", [("qwen", "<|im_end|>"), ("llama3", "<|eot_id|>")])
 def test_mask_is_each_assistant_content_and_its_end_of_turn(chat_folders, family, eot):
     "Mask 1 exactly on every assistant message's content and the end-of-turn token after it; 0 elsewhere."
     tok = ChatTokenizer.from_directory(chat_folders[family][0])
-    conv = {"messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": "What is 2 + 3?"},
-                         {"role": "assistant", "content": "5"},
-                         {"role": "user", "content": "And times 4?"},
-                         {"role": "assistant", "content": [{"type": "text", "text": "5 * 4 = "},
-                                                           {"type": "python", "text": "5*4"},
-                                                           {"type": "python_output", "text": "20"},
-                                                           {"type": "text", "text": "20\n#### 20"}]}]}
+    conv = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "And times 4?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "5 * 4 = "},
+                    {"type": "python", "text": "5*4"},
+                    {"type": "python_output", "text": "20"},
+                    {"type": "text", "text": "20\n#### 20"},
+                ],
+            },
+        ]
+    }
     ids, mask = tok.render_conversation(conv)
     eot_id = tok.encode_special(eot)
     assert tok.encode_special("<|assistant_end|>") == eot_id
@@ -268,9 +310,9 @@ def test_mask_is_each_assistant_content_and_its_end_of_turn(chat_folders, family
             run = []
     runs += [run] if run else []
     assert [tok.decode(r) for r in runs] == ["5" + eot, "5 * 4 = <<5*4=20>>20\n#### 20" + eot]
-    assert all(r[-1] == eot_id for r in runs) and sum(i == eot_id for i in ids) >= 4   # other turns' eot: mask 0
+    assert all(r[-1] == eot_id for r in runs) and sum(i == eot_id for i in ids) >= 4  # other turns' eot: mask 0
     if family == "qwen":
-        assert tok.decode(ids[-1:]) == "\n" and mask[-1] == 0     # the newline after <|im_end|>
+        assert tok.decode(ids[-1:]) == "\n" and mask[-1] == 0  # the newline after <|im_end|>
     truncated_ids, truncated_mask = tok.render_conversation(conv, max_tokens=10)
     assert (truncated_ids, truncated_mask) == (ids[:10], mask[:10])
 
@@ -279,7 +321,7 @@ def test_special_tokens_and_encode(chat_folders):
     "nanochat's names map to the family's tokens; encode keeps special-token strings as text; eos from the configs."
     qwen = ChatTokenizer.from_directory(chat_folders["qwen"][0])
     llama = ChatTokenizer.from_directory(chat_folders["llama3"][0])
-    assert qwen.get_bos_token_id() == qwen.encode_special("<|endoftext|>")          # Qwen has no bos: the separator
+    assert qwen.get_bos_token_id() == qwen.encode_special("<|endoftext|>")  # Qwen has no bos: the separator
     assert llama.get_bos_token_id() == llama.encode_special("<|begin_of_text|>")
     assert llama.encode_special("<|bos|>") == llama.get_bos_token_id()
     assert [qwen.encode_special(t) for t in ("<|python_start|>", "<|output_end|>")] == [None, None]
@@ -289,7 +331,7 @@ def test_special_tokens_and_encode(chat_folders):
     assert qwen.encode(text) != qwen.tk.encode(text, add_special_tokens=False).ids
     assert qwen.decode(qwen.encode(text)) == text
     assert qwen.encode([text, "ok"], prepend="<|im_start|>", append=2)[1][0] == qwen.encode_special("<|im_start|>")
-    assert qwen.get_vocab_size() == 600 and qwen.eos_token_ids == []             # no generation_config.json here
+    assert qwen.get_vocab_size() == 600 and qwen.eos_token_ids == []  # no generation_config.json here
     assert qwen.get_stop_token_ids() == sorted({qwen.encode_special("<|im_end|>"), qwen.get_bos_token_id()})
 
 
@@ -308,7 +350,7 @@ def test_chat_errors(chat_folders, tmp_path):
     tok = ChatTokenizer.from_directory(folder)
     with pytest.raises(ValueError, match="no chat template"):
         tok.render_conversation(conv)
-    assert tok.encode_special("<|assistant_end|>") == tok.encode_special("<|im_end|>")   # eos_token without a template
+    assert tok.encode_special("<|assistant_end|>") == tok.encode_special("<|im_end|>")  # eos_token without a template
     with pytest.raises(ValueError, match="last message"):
         ChatTokenizer.from_directory(chat_folders["qwen"][0]).render_for_completion({"messages": conv["messages"][:1]})
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
@@ -327,3 +369,31 @@ def test_template_in_tokenizer_config(chat_folders, tmp_path):
     for entry in (template, [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]):
         (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": entry}))
         assert ChatTokenizer.from_directory(folder).render_conversation(conv) == want
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
+def test_shared_prompt_pass_equals_plain(tmp_path, model_type):
+    "The loss's shared-prompt pass (the prompt run once, in a GraphKVCache) gives the plain forward's values and grads."
+    from nanorl.checkpoint import load_model
+    from nanorl.loss import shared_prefix_len, token_logp
+
+    save_tiny_hf_model(model_type, tmp_path)
+    model, tok, _ = load_model(tmp_path, "cpu")
+    torch.manual_seed(0)
+    B, P, S = 4, 30, 20
+    prompt = torch.randint(0, tok.get_vocab_size(), (1, P)).expand(B, P)
+    inputs = torch.cat([prompt, torch.randint(0, tok.get_vocab_size(), (B, S))], dim=1)  # (B, T)
+    targets = torch.roll(inputs, -1, 1)
+    targets[:, : P - 1] = -1
+    targets[:, -1] = -1
+    assert shared_prefix_len(inputs, targets) == P - 1
+    runs = []
+    for share in (False, True):
+        model.zero_grad()
+        logp = token_logp(model, inputs, targets, share_prefix=share)
+        logp.sum().backward()
+        runs.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, g_plain), (shared, g_shared) = runs
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+    for name, g in g_plain.items():
+        torch.testing.assert_close(g_shared[name], g, atol=1e-5 * (g.abs().max().item() + 1e-12), rtol=0)

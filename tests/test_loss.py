@@ -1,4 +1,5 @@
 "Extra tests for nanorl.loss: relations between normalizations, random splits, -inf under the mask."
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -17,7 +18,9 @@ def batch(B, T, seed, equal_lengths=False):
 
 def whole(kind, logp, adv, mask, max_len, num_microbatches=1):
     ntok, nseq = count_trained(mask).tolist()
-    norm = loss_normalizer(kind, num_tokens=ntok, num_sequences=nseq, num_microbatches=num_microbatches, max_len=max_len)
+    norm = loss_normalizer(
+        kind, num_tokens=ntok, num_sequences=nseq, num_microbatches=num_microbatches, max_len=max_len
+    )
     return pg_loss(logp, adv, mask, kind, norm)
 
 
@@ -30,7 +33,7 @@ def test_relations_between_normalizations():
     torch.testing.assert_close(whole("nanochat", logp, adv, mask, 7), t)
     logp, adv, mask = batch(5, 7, 1, equal_lengths=True)
     torch.testing.assert_close(whole("sequence", logp, adv, mask, 7), whole("token", logp, adv, mask, 7))
-    logp, adv, mask = batch(5, 7, 2)               # unequal lengths: they must differ
+    logp, adv, mask = batch(5, 7, 2)  # unequal lengths: they must differ
     assert abs(whole("sequence", logp, adv, mask, 7) - whole("token", logp, adv, mask, 7)) > 1e-4
 
 
@@ -43,13 +46,14 @@ def test_any_split_gives_the_whole_batch_gradient(seed, world, mb_size):
     ntok, nseq = count_trained(mask).tolist()
     for kind in ("token", "sequence", "drgrpo"):
         x = logp.clone().requires_grad_()
-        g_whole, = torch.autograd.grad(whole(kind, x, adv, mask, T), x)
+        (g_whole,) = torch.autograd.grad(whole(kind, x, adv, mask, T), x)
         norm = loss_normalizer(kind, num_tokens=ntok, num_sequences=nseq, max_len=T, world_size=world)
         grads = []
         for r in range(world):
             rows = torch.arange(r, B, world)
             if len(rows) == 0:
-                grads.append(torch.zeros_like(x)); continue
+                grads.append(torch.zeros_like(x))
+                continue
             loss = sum(pg_loss(x[mb], adv[mb], mask[mb], kind, norm) for mb in rows.split(mb_size))
             grads.append(torch.autograd.grad(loss, x)[0])
         torch.testing.assert_close(torch.stack(grads).mean(0), g_whole)
@@ -68,11 +72,11 @@ def test_inf_under_the_mask_is_harmless(kind):
     logp, adv, mask = batch(4, 6, 3)
     dirty = torch.where(mask, logp, torch.full_like(logp, -float("inf"))).requires_grad_()
     clean = logp.clone().requires_grad_()
-    kw = dict(old_logp=logp.detach() - 0.1, ref_logp=logp.detach() + 0.2, kl_coef=0.05)
+    kw = dict(old_logp=logp.detach() - 0.1, kl=(logp.detach() + 0.2, 0.05))
     a = pg_loss(dirty, adv, mask, kind, 3.0, **kw)
     b = pg_loss(clean, adv, mask, kind, 3.0, **kw)
-    ga, = torch.autograd.grad(a, dirty)
-    gb, = torch.autograd.grad(b, clean)
+    (ga,) = torch.autograd.grad(a, dirty)
+    (gb,) = torch.autograd.grad(b, clean)
     assert torch.isfinite(a) and torch.isfinite(ga).all()
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(ga, gb)
@@ -80,7 +84,9 @@ def test_inf_under_the_mask_is_harmless(kind):
 
 def test_integer_mask_equals_bool_mask():
     logp, adv, mask = batch(3, 5, 4)
-    torch.testing.assert_close(pg_loss(logp, adv, mask.long(), "sequence", 3.0), pg_loss(logp, adv, mask, "sequence", 3.0))
+    torch.testing.assert_close(
+        pg_loss(logp, adv, mask.long(), "sequence", 3.0), pg_loss(logp, adv, mask, "sequence", 3.0)
+    )
 
 
 def test_clip_high_only_affects_positive_side():
@@ -88,6 +94,6 @@ def test_clip_high_only_affects_positive_side():
     logp = torch.zeros(1, 1, requires_grad=True)
     old = torch.log(torch.tensor([[1 / 1.25]]))
     m, adv = torch.ones(1, 1, dtype=torch.bool), torch.ones(1)
-    g_low, = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=0.2), logp)
-    g_high, = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=(0.2, 0.28)), logp)
+    (g_low,) = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=0.2), logp)
+    (g_high,) = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=(0.2, 0.28)), logp)
     assert g_low.item() == 0 and g_high.item() == pytest.approx(-1.25)

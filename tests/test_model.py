@@ -1,4 +1,5 @@
 "Fixture and property tests for nanorl.model (nanochat GPT, both generations)."
+
 import json
 from pathlib import Path
 import pytest
@@ -58,10 +59,10 @@ def test_hidden_unembed_softcap(model_ref):
 @torch.no_grad()
 def test_kv_cache_decode_matches_full_forward(model_ref):
     model, ref = model_ref
-    ids, full = ref["inputs_c"], ref["logits_c"]          # 192 tokens: past the head model's 128 window
+    ids, full = ref["inputs_c"], ref["logits_c"]  # 192 tokens: past the head model's 128 window
     cache = model.new_kv_cache(1)
     outs = [model(ids[:, :7], kv_cache=cache)]
-    outs += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(7, ids.shape[1])]
+    outs += [model(ids[:, t : t + 1], kv_cache=cache) for t in range(7, ids.shape[1])]
     assert (torch.cat(outs, 1) - full).abs().max() < 1e-4
     assert cache.get_pos() == ids.shape[1]
 
@@ -83,9 +84,9 @@ def test_kv_cache_rows_at_different_positions(model_ref):
         for row, n in enumerate(lens):
             assert (out[row, 0] - full[n + s]).abs().max() < 1e-4
     # chunked multi-token step with rows at different positions
-    out = model(torch.stack([ids[0, n + 40:n + 43] for n in lens]), kv_cache=cache)
+    out = model(torch.stack([ids[0, n + 40 : n + 43] for n in lens]), kv_cache=cache)
     for row, n in enumerate(lens):
-        assert (out[row] - full[n + 40:n + 43]).abs().max() < 1e-4
+        assert (out[row] - full[n + 40 : n + 43]).abs().max() < 1e-4
     cache.select_rows([1])
     assert cache.cache_seqlens.tolist() == [lens[1] + 43] and cache.batch_size == 1
 
@@ -96,7 +97,9 @@ def test_masked_loss_is_differentiable_and_equals_plain(model_ref):
     model.zero_grad()
     fast = model(x, targets=y, loss_reduction="none")
     logits = model(x)
-    plain = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1, reduction="none")
+    plain = torch.nn.functional.cross_entropy(
+        logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1, reduction="none"
+    )
     assert (fast - plain).abs().max() < 1e-5
     w = torch.rand_like(fast)
     (fast * w).sum().backward()
@@ -120,6 +123,7 @@ def test_padded_vocab_is_sliced():
 
 def test_patched_methods_stay_out_of_all():
     import nanorl.model as m
+
     for name in ("forward", "hidden", "unembed", "init_weights", "new_kv_cache", "setup_optimizers"):
         assert name not in m.__all__ and hasattr(GPT, name)
 
@@ -127,17 +131,20 @@ def test_patched_methods_stay_out_of_all():
 def test_init_constants_come_from_the_generation_table(monkeypatch):
     import dataclasses
     from nanorl import model as m
+
     calls = []
     orig = GPT.init_rotary
     monkeypatch.setattr(GPT, "init_rotary", lambda self, device=None: (calls.append(1), orig(self, device))[1])
     cfg = GPTConfig(sequence_len=64, vocab_size=4096, n_layer=1, n_head=2, n_kv_head=2, n_embd=256)
     torch.manual_seed(0)
     model = GPT(cfg)
-    assert calls == [1]                                                        # rotary tables built once
+    assert calls == [1]  # rotary tables built once
     assert abs(model.transformer.wte.weight.std().item() - m.GENERATIONS["current"].wte_std) < 0.01
-    s = 3 ** 0.5 / 256 ** 0.5
+    s = 3**0.5 / 256**0.5
     assert abs(model.transformer.h[0].mlp.c_fc.weight.abs().max().item() - 0.4 * s) < 0.01 * s
-    monkeypatch.setitem(m.GENERATIONS, "current", dataclasses.replace(m.GENERATIONS["current"], wte_std=0.1, fc_scale=1.0))
+    monkeypatch.setitem(
+        m.GENERATIONS, "current", dataclasses.replace(m.GENERATIONS["current"], wte_std=0.1, fc_scale=1.0)
+    )
     model = GPT(cfg)
     assert abs(model.transformer.wte.weight.std().item() - 0.1) < 0.01
     assert abs(model.transformer.h[0].mlp.c_fc.weight.abs().max().item() - s) < 0.01 * s

@@ -1,4 +1,5 @@
 """Every shell command the README shows runs here at a tiny size, and the README's course map matches the notebooks."""
+
 import dataclasses, json, os, re, subprocess, sys, zipfile
 from pathlib import Path
 
@@ -13,12 +14,12 @@ from test_train import ROOT, TORCHRUN
 README, INDEX = ROOT / "README.md", ROOT / "nbs" / "index.ipynb"
 GSM8K_SLICE = ROOT / "tests" / "fixtures" / "gsm8k"
 QUICK_START = {"make demo", "make test"}  # CI runs them; every other command is run by the test named here
+GPU_VENV = "python3 -m venv .venv && .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128"
 COVERED = {
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --run=my_run": "test_torchrun_lines",
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --data-dir=/data/gsm8k": "test_torchrun_lines",
     "python -m nanorl.train --help": "test_train_help",
-    "python3 -m venv .venv && .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128":
-        "test_gpu_setup",
+    GPU_VENV: "test_gpu_setup",
     "make setup CONSTRAINTS=": "test_gpu_setup",
 }
 OFFLINE = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -31,15 +32,19 @@ def shell_commands(markdown):
         for line in body.replace("\\\n", " ").splitlines():
             line = line.strip()
             if lang == "console":
-                if not line.startswith("$ "): continue     # a console block's other lines are output
+                if not line.startswith("$ "):
+                    continue  # a console block's other lines are output
                 line = line[2:]
-            line = re.sub(r"(^|\s)#.*", "", line).strip()    # a comment starts at a '#' that begins a word
-            if line: commands.append(" ".join(line.split()))
+            line = re.sub(r"(^|\s)#.*", "", line).strip()  # a comment starts at a '#' that begins a word
+            if line:
+                commands.append(" ".join(line.split()))
     return commands
 
 
-def index_markdown(): return "\n\n".join("".join(c["source"]) for c in json.loads(INDEX.read_text())["cells"]
-                                         if c["cell_type"] == "markdown")
+def index_markdown():
+    return "\n\n".join(
+        "".join(c["source"]) for c in json.loads(INDEX.read_text())["cells"] if c["cell_type"] == "markdown"
+    )
 
 
 def commands_of(test_name):
@@ -49,8 +54,9 @@ def commands_of(test_name):
 
 def run_or_fail(cmd, cwd=ROOT, env=None, timeout=300):
     "Run one argv list; fail the test with its output unless it succeeds."
-    p = subprocess.run(cmd, cwd=cwd, env={**os.environ, **OFFLINE, **(env or {})}, capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        cmd, cwd=cwd, env={**os.environ, **OFFLINE, **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
     shown = " ".join(map(str, cmd))
     assert p.returncode == 0, f"{shown} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return p
@@ -69,8 +75,10 @@ def test_every_readme_command_is_covered():
 
 def test_shell_commands_parsing():
     "Comments, continuations, console prompts and other languages' blocks are handled."
-    md = ("```bash\nmake a   # note\nfoo \\\n  --x=1  # more\n```\n```python\nprint(1)\n```\n"
-          "```console\n$ ls -l\noutput line\n```\n```\nnot/a/command\n```\n")
+    md = (
+        "```bash\nmake a   # note\nfoo \\\n  --x=1  # more\n```\n```python\nprint(1)\n```\n"
+        "```console\n$ ls -l\noutput line\n```\n```\nnot/a/command\n```\n"
+    )
     assert shell_commands(md) == ["make a", "foo --x=1", "ls -l"]
 
 
@@ -82,10 +90,19 @@ def test_torchrun_lines(tmp_path, line, nproc):
     base = base_dir(tmp_path, "base")
     words = line.split()
     assert words[:2] == ["torchrun", "--standalone"] and "--nproc_per_node=8" in words
-    words = [TORCHRUN if w == "torchrun" else f"--nproc_per_node={nproc}" if w == "--nproc_per_node=8"
-             else w.replace("/data/gsm8k", str(GSM8K_SLICE)) for w in words]
+    words = [
+        (
+            TORCHRUN
+            if w == "torchrun"
+            else (
+                f"--nproc_per_node={nproc}" if w == "--nproc_per_node=8" else w.replace("/data/gsm8k", str(GSM8K_SLICE))
+            )
+        )
+        for w in words
+    ]
     tiny = ["--device-type", "cpu", "--base-dir", str(base), "--preset", "smoke", "--num-steps", "1"]
-    if "--data-dir" not in line: tiny += ["--data-dir", str(GSM8K_SLICE)]
+    if "--data-dir" not in line:
+        tiny += ["--data-dir", str(GSM8K_SLICE)]
     run_or_fail([*words, *tiny], cwd=tmp_path)
     ckpt = base / "chatrl_checkpoints" / "d3"
     assert sorted(p.name for p in ckpt.glob("resume_*")) == [f"resume_000000_rank{r}.pt" for r in range(nproc)]
@@ -93,7 +110,7 @@ def test_torchrun_lines(tmp_path, line, nproc):
     assert [r["step"] for r in recs] == [0] and "pass@1" in recs[0]
     _, _, meta = load_model("rl", "cpu", base_dir=base)
     assert meta["step"] == 0
-    if "--run=my_run" in line:   # only a named run starts (here: disabled) wandb, so the name reached nanorl.train
+    if "--run=my_run" in line:  # only a named run starts (here: disabled) wandb, so the name reached nanorl.train
         assert (ckpt / "wandb_run_id").is_file()
 
 
@@ -116,7 +133,8 @@ def stand_in_index(root, name="torch", version="2.13.0+cu128"):
     wheel = root / name / f"{name}-{version}-py3-none-any.whl"
     wheel.parent.mkdir(parents=True)
     with zipfile.ZipFile(wheel, "w") as z:
-        for path, text in files.items(): z.writestr(path, text)
+        for path, text in files.items():
+            z.writestr(path, text)
     (root / name / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n')
     return root.as_uri() + "/"
 
@@ -132,18 +150,22 @@ def test_gpu_setup(tmp_path):
     local = stand_in_index(tmp_path / "index")
     steps[1] = [local if w == url else w for w in steps[1]]
     pip_env = {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    for step in steps: run_or_fail(step, cwd=tmp_path, env=pip_env, timeout=180)
+    for step in steps:
+        run_or_fail(step, cwd=tmp_path, env=pip_env, timeout=180)
     venv = tmp_path / ".venv"
     got = run_or_fail([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"]).stdout.strip()
     assert got == "2.13.0+cu128"
 
     make_env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
     def dry_run(*words):
         "The recipe lines `make -n` prints for the set-up into the stand-in venv."
-        p = subprocess.run(["make", "-n", *words, f"VENV={venv}"], cwd=ROOT, env=make_env, capture_output=True,
-                           text=True, timeout=60)
+        p = subprocess.run(
+            ["make", "-n", *words, f"VENV={venv}"], cwd=ROOT, env=make_env, capture_output=True, text=True, timeout=60
+        )
         assert p.returncode == 0, p.stderr
         return p.stdout
+
     assert make_line.split()[:2] == ["make", "setup"]
     pinned, unpinned = dry_run("setup"), dry_run(*make_line.split()[1:])
     install = [l for l in unpinned.splitlines() if '-e ".[dev]"' in l]
@@ -153,6 +175,7 @@ def test_gpu_setup(tmp_path):
 
 
 # ---------------------------------------------------------------- the course map
+
 
 def test_course_map_lists_every_notebook():
     "The README's course table lists exactly the numbered notebooks, in order, each with the module it exports."

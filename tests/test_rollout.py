@@ -1,4 +1,5 @@
 "Rollout pieces beyond the notebook: seeds, scoring with reward shaping, passes and padding."
+
 import pytest
 import torch
 
@@ -10,30 +11,44 @@ def test_sample_seeds_use_the_evaluation_mixer():
     "A step's problem seeds are problem_seed of the step's seed, and differ between steps and problems."
     assert sample_seeds(3, 5, [0, 9]) == [problem_seed(problem_seed(3, 5), 0), problem_seed(problem_seed(3, 5), 9)]
     seeds = {s for step in range(50) for s in sample_seeds(0, step, range(50))}
-    assert len(seeds) == 2500 and all(0 <= s < 2 ** 31 for s in seeds)
+    assert len(seeds) == 2500 and all(0 <= s < 2**31 for s in seeds)
 
 
 class Chars:
     "Tokens are character codes."
-    def render_for_completion(self, conversation): return [ord(c) for c in conversation["q"]]
-    def decode(self, ids): return "".join(map(chr, ids))
+
+    def render_for_completion(self, conversation):
+        return [ord(c) for c in conversation["q"]]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
 
 
 class ShapedTask:
     "Reward terms: correct when the completion is 'ok', plus a format bonus; counts how often it judges."
+
     shaping_on = True
-    def __init__(self): self.judged = 0
-    def __getitem__(self, i): return {"q": f"q{i}"}
+
+    def __init__(self):
+        self.judged = 0
+
+    def __getitem__(self, i):
+        return {"q": f"q{i}"}
+
     def reward_terms(self, conversation, completion):
         self.judged += 1
         return {"correct": float(completion == "ok"), "format": 0.5 * float(completion.islower())}
-    def reward(self, conversation, completion): raise AssertionError("a shaped task is judged through reward_terms once")
+
+    def reward(self, conversation, completion):
+        raise AssertionError("a shaped task is judged through reward_terms once")
 
 
 def test_score_with_shaping_judges_each_completion_once():
     tok, task = Chars(), ShapedTask()
     prompts = [tok.render_for_completion(task[i]) for i in (0, 1)]
-    rows = [prompts[0] + [ord(c) for c in s] for s in ("ok", "KO")] + [prompts[1] + [ord(c) for c in s] for s in ("ok", "ok")]
+    rows = [prompts[0] + [ord(c) for c in s] for s in ("ok", "KO")] + [
+        prompts[1] + [ord(c) for c in s] for s in ("ok", "ok")
+    ]
     batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], tool_calls=0, rows_per_call=4)
     s = score(tok, task, [0, 1], batch, num_samples=2)
     assert task.judged == 4

@@ -3,6 +3,7 @@
 Needs the model folder that `python bench/smollm2.py` builds (offline-readable, about 540 MB in float32): set
 NANORL_SMOLLM2 to it, or build it at the default place. Skipped without it (CI has none).
 """
+
 import json
 
 import pytest
@@ -16,9 +17,10 @@ from nanorl.llama import ChatTokenizer, load_llama, template_messages
 from nanorl.tasks import GSM8K
 
 FOLDER = smollm2_folder()
-pytestmark = pytest.mark.skipif(not (FOLDER / "config.json").exists(),
-                                reason=f"no SmolLM2 folder at {FOLDER}: run `python bench/smollm2.py` "
-                                       f"or set NANORL_SMOLLM2")
+pytestmark = pytest.mark.skipif(
+    not (FOLDER / "config.json").exists(),
+    reason=f"no SmolLM2 folder at {FOLDER}: run `python bench/smollm2.py` " f"or set NANORL_SMOLLM2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +54,20 @@ def test_greedy_generation_matches_transformers(models, gsm8k_prompt):
     ours, hf, tok = models[:3]
     engine = Engine(ours, tok)
     seqs, masks = engine.generate_batch(gsm8k_prompt, num_samples=1, max_tokens=32, temperature=0.0)
-    mine = seqs[0][len(gsm8k_prompt):]
+    mine = seqs[0][len(gsm8k_prompt) :]
     with torch.no_grad():
         out = hf.generate(torch.tensor([gsm8k_prompt]), do_sample=False, max_new_tokens=32)
-    ref = out[0, len(gsm8k_prompt):].tolist()
-    cut = next((j for j, t in enumerate(ref) if t in engine.stop_tokens), len(ref))   # we stop at the end of turn
+    ref = out[0, len(gsm8k_prompt) :].tolist()
+    cut = next((j for j, t in enumerate(ref) if t in engine.stop_tokens), len(ref))  # we stop at the end of turn
     assert len(mine) >= 8
     assert mine == ref[:cut]
-    assert masks[0][len(gsm8k_prompt):] == [1] * len(mine)
+    assert masks[0][len(gsm8k_prompt) :] == [1] * len(mine)
 
 
 def test_chat_template_matches_transformers(models):
     "render_for_completion and render_conversation give apply_chat_template's ids on 50 GSM8K conversations."
     tok, hf_tok = models[2:]
-    convs = gsm8k_chat_conversations(50)          # every 4th with a system message of its own, the others SmolLM's
+    convs = gsm8k_chat_conversations(50)  # every 4th with a system message of its own, the others SmolLM's
     for conv in convs:
         messages = template_messages(conv)
         want = hf_tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)["input_ids"]

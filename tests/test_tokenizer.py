@@ -1,4 +1,5 @@
 """Exhaustive tests of nanorl.tokenizer against nanochat's fixtures, file round trips, training and bad input."""
+
 import copy
 import json
 import os
@@ -13,17 +14,33 @@ import tiktoken
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanorl.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, MaskView, Tokenizer, bpe_encoding, chat_messages,
-                              encoding_from_json, encoding_to_json, load_pickled_encoding, token_byte_lengths)
+from nanorl.tokenizer import (
+    SPECIAL_TOKENS,
+    SPLIT_PATTERN,
+    MaskView,
+    Tokenizer,
+    bpe_encoding,
+    chat_messages,
+    encoding_from_json,
+    encoding_to_json,
+    load_pickled_encoding,
+    token_byte_lengths,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NANOCHAT = FIXTURES / "nanochat"
 RENDERING = json.loads((NANOCHAT / "rendering.json").read_text())
 GSM8K_REWARD = json.loads((NANOCHAT / "gsm8k_reward.json").read_text())
-SAMPLE_TEXTS = ["Hello world!", " 12345678 apples", "tab\tnew\nline  spaces", "Ünïcödé 你好 🌍", "",
-                "<|bos|> and <|assistant_end|> are text here", "#### 72", "x" * 500]
-
-
+SAMPLE_TEXTS = [
+    "Hello world!",
+    " 12345678 apples",
+    "tab\tnew\nline  spaces",
+    "Ünïcödé 你好 🌍",
+    "",
+    "<|bos|> and <|assistant_end|> are text here",
+    "#### 72",
+    "x" * 500,
+]
 
 
 def gsm8k_texts():
@@ -38,8 +55,10 @@ def gsm8k_texts():
     for _ in range(300):
         a, b = rng.randint(2, 999), rng.randint(2, 99)
         n, t = rng.choice(names), rng.choice(things)
-        texts.append(f"{n} has {a} {t} and buys {b} more. How many {t} does {n} have now?\n"
-                     f"{n} has {a}+{b} = <<{a}+{b}={a + b}>>{a + b} {t}.\n#### {a + b}")
+        texts.append(
+            f"{n} has {a} {t} and buys {b} more. How many {t} does {n} have now?\n"
+            f"{n} has {a}+{b} = <<{a}+{b}={a + b}>>{a + b} {t}.\n#### {a + b}"
+        )
     return texts
 
 
@@ -49,6 +68,7 @@ def trained():
 
 
 # ---------------------------------------------------------------- nanochat fixtures
+
 
 @pytest.mark.parametrize("case", RENDERING["conversations"], ids=lambda c: c["name"])
 def test_render_conversation_matches_nanochat(tok, case):
@@ -105,6 +125,7 @@ def test_roundtrip_and_specials_never_parsed(text):
 
 # ---------------------------------------------------------------- files
 
+
 def test_saved_tokenizer_loads_back_identically(tok, tmp_path):
     tok.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["token_bytes.pt", "tokenizer.json", "tokenizer.pkl"]
@@ -113,7 +134,11 @@ def test_saved_tokenizer_loads_back_identically(tok, tmp_path):
         enc = pickle.load(f)
     assert isinstance(enc, tiktoken.Encoding) and enc.name == "rustbpe"
     assert enc._special_tokens == RENDERING["specials"]
-    for loaded in (Tokenizer(enc), Tokenizer.from_directory(tmp_path), Tokenizer.from_ranks_file(tmp_path / "tokenizer.json")):
+    for loaded in (
+        Tokenizer(enc),
+        Tokenizer.from_directory(tmp_path),
+        Tokenizer.from_ranks_file(tmp_path / "tokenizer.json"),
+    ):
         assert loaded.encode(SAMPLE_TEXTS) == tok.encode(SAMPLE_TEXTS)
         assert [loaded.encode_special(t) for t in SPECIAL_TOKENS] == [tok.encode_special(t) for t in SPECIAL_TOKENS]
         assert loaded.get_vocab_size() == tok.get_vocab_size()
@@ -177,6 +202,7 @@ def test_encoding_json_rejects_other_documents():
 
 # ---------------------------------------------------------------- training
 
+
 def test_train_2k_tokenizer_in_seconds(trained, tmp_path):
     t0 = time.perf_counter()
     tok = Tokenizer.train_from_iterator(gsm8k_texts(), vocab_size=2048)
@@ -201,7 +227,9 @@ def test_train_rejects_tiny_vocab_and_warns_on_tiny_corpus():
         Tokenizer.train_from_iterator(["hello"], vocab_size=264)
     with pytest.warns(UserWarning, match="fewer than"):
         tok = Tokenizer.train_from_iterator(["ab ab"], vocab_size=400)
-    assert [tok.encode_special(t) for t in SPECIAL_TOKENS] == list(range(tok.get_vocab_size() - 9, tok.get_vocab_size()))
+    assert [tok.encode_special(t) for t in SPECIAL_TOKENS] == list(
+        range(tok.get_vocab_size() - 9, tok.get_vocab_size())
+    )
 
 
 def test_bpe_encoding_rejects_gaps():
@@ -219,6 +247,7 @@ def test_token_byte_lengths_of_trained(trained):
 
 
 # ---------------------------------------------------------------- rendering semantics
+
 
 def conv(*messages):
     return {"messages": [{"role": r, "content": c} for r, c in messages]}
@@ -240,15 +269,33 @@ def test_system_message_is_merged(tok):
 
 def test_mask_semantics(tok):
     s = tok.encode_special
-    c = {"messages": [{"role": "user", "content": "q"},
-                      {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "python", "text": "1+1"},
-                                                        {"type": "python_output", "text": "2"}]}]}
+    c = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "python", "text": "1+1"},
+                    {"type": "python_output", "text": "2"},
+                ],
+            },
+        ]
+    }
     ids, mask = tok.render_conversation(c)
-    expected = ([(s("<|bos|>"), 0), (s("<|user_start|>"), 0)] + [(i, 0) for i in tok.encode("q")]
-                + [(s("<|user_end|>"), 0), (s("<|assistant_start|>"), 0)] + [(i, 1) for i in tok.encode("a")]
-                + [(s("<|python_start|>"), 1)] + [(i, 1) for i in tok.encode("1+1")] + [(s("<|python_end|>"), 1)]
-                + [(s("<|output_start|>"), 0)] + [(i, 0) for i in tok.encode("2")] + [(s("<|output_end|>"), 0)]
-                + [(s("<|assistant_end|>"), 1)])
+    expected = (
+        [(s("<|bos|>"), 0), (s("<|user_start|>"), 0)]
+        + [(i, 0) for i in tok.encode("q")]
+        + [(s("<|user_end|>"), 0), (s("<|assistant_start|>"), 0)]
+        + [(i, 1) for i in tok.encode("a")]
+        + [(s("<|python_start|>"), 1)]
+        + [(i, 1) for i in tok.encode("1+1")]
+        + [(s("<|python_end|>"), 1)]
+        + [(s("<|output_start|>"), 0)]
+        + [(i, 0) for i in tok.encode("2")]
+        + [(s("<|output_end|>"), 0)]
+        + [(s("<|assistant_end|>"), 1)]
+    )
     assert list(zip(ids, mask)) == expected
 
 
@@ -294,8 +341,16 @@ def test_render_conversation_errors(tok, name):
         tok.render_conversation(bad)
 
 
-@pytest.mark.parametrize("bad", [conv(("user", "a")), conv(("user", "a"), ("assistant", "b"), ("user", "c")),
-                                 {"messages": []}, {"turns": []}, "text"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        conv(("user", "a")),
+        conv(("user", "a"), ("assistant", "b"), ("user", "c")),
+        {"messages": []},
+        {"turns": []},
+        "text",
+    ],
+)
 def test_render_for_completion_needs_final_assistant(tok, bad):
     with pytest.raises(ValueError, match="last message"):
         tok.render_for_completion(bad)
@@ -315,14 +370,17 @@ def test_chat_messages_returns_copy():
 
 # ---------------------------------------------------------------- encode errors and the view
 
+
 @pytest.mark.parametrize("text", [None, 5, b"bytes", ["ok", 3]])
 def test_encode_rejects_non_text(tok, text):
     with pytest.raises(ValueError, match="str or a list of str"):
         tok.encode(text)
 
 
-@pytest.mark.parametrize("token, message", [("<|eot|>", "special token"), (5000, r"\[0, 2048\)"), (-1, r"\[0, 2048\)"),
-                                            (1.5, "special-token name or an id")])
+@pytest.mark.parametrize(
+    "token, message",
+    [("<|eot|>", "special token"), (5000, r"\[0, 2048\)"), (-1, r"\[0, 2048\)"), (1.5, "special-token name or an id")],
+)
 def test_encode_rejects_bad_prepend(tok, token, message):
     with pytest.raises(ValueError, match=message):
         tok.encode("hi", prepend=token)

@@ -1,4 +1,5 @@
 """Training end to end: torchrun with 2 CPU ranks (gloo), and the same update from 1 rank or 2."""
+
 import json, os, shutil, subprocess, sys
 from pathlib import Path
 
@@ -12,24 +13,61 @@ from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, t
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SMALL = ["--examples-per-step", "2", "--num-samples", "4", "--device-batch-size", "4", "--max-new-tokens", "12",
-         "--eval-every", "100", "--eval-examples", "4", "--save-every", "100", "--task", "doubles:toy_tasks",
-         "--matrix-lr", "0.05", "--init-lr-frac", "1.0", "--seed", "7"]
+SMALL = [
+    "--examples-per-step",
+    "2",
+    "--num-samples",
+    "4",
+    "--device-batch-size",
+    "4",
+    "--max-new-tokens",
+    "12",
+    "--eval-every",
+    "100",
+    "--eval-examples",
+    "4",
+    "--save-every",
+    "100",
+    "--task",
+    "doubles:toy_tasks",
+    "--matrix-lr",
+    "0.05",
+    "--init-lr-frac",
+    "1.0",
+    "--seed",
+    "7",
+]
 
 
 def torchrun_train(nproc, base, *args):
     "Run nanorl.train under torchrun with `nproc` CPU ranks; fail the test with its output if it fails."
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "nanorl.train",
-           "--device-type", "cpu", "--base-dir", str(base), *SMALL, *args]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "nanorl.train",
+        "--device-type",
+        "cpu",
+        "--base-dir",
+        str(base),
+        *SMALL,
+        *args,
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
 
 
 def test_two_ranks_train_and_agree(tmp_path):
-    "2 gloo ranks: finite losses, rewards with signal, identical parameters (checked by the trainer), a loadable checkpoint."
+    "2 gloo ranks: finite losses, rewards with signal, identical parameters, a loadable checkpoint."
     base = base_dir(tmp_path, "ddp")
     torchrun_train(2, base, "--num-steps", "3", "--save-every", "2")
     recs = records(base)
@@ -38,12 +76,24 @@ def test_two_ranks_train_and_agree(tmp_path):
     assert any(0 < r["reward"] < 1 for r in recs), "the toy reward should vary within groups"
     assert "pass@1" in recs[0] and "pass@1" in recs[-1]
     ckpt = base / "chatrl_checkpoints" / "d3"
-    assert {p.name for p in ckpt.glob("*_000002*")} == {"model_000002.pt", "meta_000002.json", "optim_000002_rank0.pt",
-                                                        "resume_000002_rank0.pt", "resume_000002_rank1.pt"}
+    assert {p.name for p in ckpt.glob("*_000002*")} == {
+        "model_000002.pt",
+        "meta_000002.json",
+        "optim_000002_rank0.pt",
+        "resume_000002_rank0.pt",
+        "resume_000002_rank1.pt",
+    }
     model, tok, meta = load_model("rl", "cpu", base_dir=base)
     assert meta["nanorl"]["step"] == 2
     assert set(json.loads((ckpt / "meta_000002.json").read_text())["model_config"]) == {
-        "sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern"}
+        "sequence_len",
+        "vocab_size",
+        "n_layer",
+        "n_head",
+        "n_kv_head",
+        "n_embd",
+        "window_pattern",
+    }
     start = torch.load(FIXTURE / "chatsft_checkpoints" / "d3" / "model_000000.pt", weights_only=True)
     moved = max((weights(base, 2)[k].float() - v.float()).abs().max().item() for k, v in start.items())
     assert moved > 1e-4, "training did not change the weights"
@@ -67,23 +117,57 @@ def test_one_rank_equals_two_ranks(tmp_path, norm):
 def test_bad_settings_fail_before_work(tmp_path):
     "Impossible settings are refused with a clear message before any model is loaded or process group started."
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "nanorl.train", "--device-type", "cpu",
-                        "--base-dir", str(tmp_path / "nothing"), "--examples-per-step", "3"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            TORCHRUN,
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "nanorl.train",
+            "--device-type",
+            "cpu",
+            "--base-dir",
+            str(tmp_path / "nothing"),
+            "--examples-per-step",
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0
     assert "nanorl.train: error: --examples-per-step 3 must be divisible by the number of ranks (2)" in p.stderr
-    with pytest.raises(ValueError, match=r"expected checkpoints for source 'sft' in .*nothing.*found no such directory"):
+    with pytest.raises(
+        ValueError, match=r"expected checkpoints for source 'sft' in .*nothing.*found no such directory"
+    ):
         train(Config(base_dir=str(tmp_path / "nothing"), task="doubles:toy_tasks", device_type="cpu"))
 
 
 # ---------------------------------------------------------------- in-process runs of each option (smoke size)
 
+
 def step_config(base, **kw):
     "One step of the small run, in-process; evaluation at step 0 only."
-    return Config(**{"device_type": "cpu", "base_dir": str(base), "examples_per_step": 4, "num_samples": 4,
-                     "device_batch_size": 2, "max_new_tokens": 8, "eval_every": 100, "eval_examples": 2,
-                     "save_every": 100, "task": "doubles:toy_tasks", "matrix_lr": 0.05, "init_lr_frac": 1.0,
-                     "seed": 2, "num_steps": 1, **kw})       # seed 2: one of the 4 groups has no signal
+    return Config(
+        **{
+            "device_type": "cpu",
+            "base_dir": str(base),
+            "examples_per_step": 4,
+            "num_samples": 4,
+            "device_batch_size": 2,
+            "max_new_tokens": 8,
+            "eval_every": 100,
+            "eval_examples": 2,
+            "save_every": 100,
+            "task": "doubles:toy_tasks",
+            "matrix_lr": 0.05,
+            "init_lr_frac": 1.0,
+            "seed": 2,
+            "num_steps": 1,
+            **kw,
+        }
+    )  # seed 2: one of the 4 groups has no signal
 
 
 def run_weights(base):
@@ -92,7 +176,8 @@ def run_weights(base):
     return torch.load(sorted(d.glob("model_*.pt"))[-1], weights_only=True)
 
 
-def max_change(a, b): return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+def max_change(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -102,29 +187,40 @@ def baseline(tmp_path_factory):
     return train(step_config(base)), run_weights(base)
 
 
-@pytest.mark.parametrize("option", [dict(advantage="zscore"), dict(advantage="rloo"),
-                                    dict(loss_norm="sequence"), dict(loss_norm="drgrpo"), dict(loss_norm="token")])
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(advantage="zscore"),
+        dict(advantage="rloo"),
+        dict(loss_norm="sequence"),
+        dict(loss_norm="drgrpo"),
+        dict(loss_norm="token"),
+    ],
+)
 def test_option_trains(tmp_path, monkeypatch, baseline, option):
-    "Each variant trains on the same samples (finite loss and gradient, weights move), through the option's own code path."
+    "Each variant trains on the same samples (finite loss and gradient, weights move) through its own code path."
     kinds, real_normalizer = [], T.loss_normalizer
     monkeypatch.setattr(T, "loss_normalizer", lambda kind, **kw: kinds.append(kind) or real_normalizer(kind, **kw))
     base = base_dir(tmp_path, "run")
     recs = train(step_config(base, **option))
-    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"], r["entropy"], r["sampled_nll"]])).all() for r in recs)
+    assert all(
+        torch.isfinite(torch.tensor([r["loss"], r["grad_norm"], r["entropy"], r["sampled_nll"]])).all() for r in recs
+    )
     assert recs[0]["reward"] == baseline[0][0]["reward"], "the option must not change the samples"
     assert kinds == [option.get("loss_norm", "nanochat")]
     w = run_weights(base)
     assert max_change(w, load_fixture()) > 1e-5
-    if "loss_norm" not in option:       # the normalizations differ only in scale here (every completion hits the
-        assert max_change(w, baseline[1]) > 1e-7, f"{option} made the same update as the default"   # token limit), which
-                                        # Adam's and Muon's first step do not see
+    if "loss_norm" not in option:  # the normalizations differ only in scale here (every completion hits the
+        assert max_change(w, baseline[1]) > 1e-7, f"{option} made the same update as the default"  # token limit), which
+        # Adam's and Muon's first step do not see
 
 
-def load_fixture(): return torch.load(FIXTURE / "chatsft_checkpoints" / "d3" / "model_000000.pt", weights_only=True)
+def load_fixture():
+    return torch.load(FIXTURE / "chatsft_checkpoints" / "d3" / "model_000000.pt", weights_only=True)
 
 
 def test_skip_zero_signal_gives_the_same_update(tmp_path, baseline):
-    "--skip-zero-signal leaves the no-signal passes out but counts them in the normalizer: the weights are bitwise the same."
+    "--skip-zero-signal leaves no-signal passes out but counts them in the normalizer: bitwise the same weights."
     recs = train(step_config(base := base_dir(tmp_path, "skip"), skip_zero_signal=True))
     assert recs[0]["zero_signal_frac"] > 0, "the test needs a step with a zero-signal group"
     assert recs[0]["loss"] == baseline[0][0]["loss"]
@@ -133,11 +229,13 @@ def test_skip_zero_signal_gives_the_same_update(tmp_path, baseline):
 
 
 def test_skip_zero_signal_when_every_group_is_skipped(tmp_path):
-    "A step whose every pass is skipped still steps the optimizers (zero gradients: decay, momentum): the same weights as without the flag."
+    "A step with every pass skipped still steps the optimizers (zero gradients): the weights as without the flag."
     runs = {}
     for skip in (False, True):
         base = base_dir(tmp_path, f"zero{int(skip)}")
-        recs = train(step_config(base, task="doubles:make_zero_tasks", num_steps=2, weight_decay=0.1, skip_zero_signal=skip))
+        recs = train(
+            step_config(base, task="doubles:make_zero_tasks", num_steps=2, weight_decay=0.1, skip_zero_signal=skip)
+        )
         assert all(r["zero_signal_frac"] == 1 and r["loss"] == 0 for r in recs)
         runs[skip] = run_weights(base)
     assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False])
@@ -147,11 +245,13 @@ def test_skip_zero_signal_when_every_group_is_skipped(tmp_path):
 def test_cosine_schedule_and_logged_lr(tmp_path):
     "The logged lr is the lm_head group's base rate x init_lr_frac x the schedule, for linear and cosine."
     from nanorl.model import GPT  # noqa: F401  (setup_optimizers is patched onto GPT)
+
     cfg = step_config(base_dir(tmp_path, "cos"), num_steps=3, lr_schedule="cosine", init_lr_frac=0.5)
     recs = train(cfg)
     model, _, _ = load_model("sft", "cpu", base_dir=cfg.base_dir)
-    base_lr = model.setup_optimizers(unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr,
-                                     matrix_lr=cfg.matrix_lr).param_groups[0]["lr"]
+    base_lr = model.setup_optimizers(
+        unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr, matrix_lr=cfg.matrix_lr
+    ).param_groups[0]["lr"]
     for r in recs:
         assert r["lr"] == pytest.approx(base_lr * 0.5 * lr_multiplier(r["step"], 3, "cosine"), rel=1e-12)
     assert recs[1]["lrm"] == pytest.approx(0.75) and recs[1]["lrm"] != pytest.approx(1 - 1 / 3)
@@ -183,19 +283,25 @@ def test_kl_reference_is_the_source_model_after_resume(tmp_path):
 
 # ---------------------------------------------------------------- presets and distributed details (no training)
 
+
 def test_config_preset_applies_in_train(tmp_path, monkeypatch):
     "train(Config(preset=...)) runs the preset's settings for every field left at its default."
     seen = []
+
     class Recorder:
         def __init__(self, cfg, rank, world, device, tasks):
             seen.append(cfg)
+
         def run(self):
             return []
+
     monkeypatch.setattr(T, "Trainer", Recorder)
     train(Config(preset="demo", base_dir=str(tmp_path), num_samples=4))
     cfg = seen[0]
     demo = T.PRESETS["demo"]
-    assert (cfg.task, cfg.device_type, cfg.top_k, cfg.examples_per_step) == tuple(demo[k] for k in ("task", "device_type", "top_k", "examples_per_step"))
+    assert (cfg.task, cfg.device_type, cfg.top_k, cfg.examples_per_step) == tuple(
+        demo[k] for k in ("task", "device_type", "top_k", "examples_per_step")
+    )
     assert demo["num_samples"] != 4 and cfg.num_samples == 4, "a field set explicitly keeps its value"
     assert cfg.max_new_tokens == demo["max_new_tokens"] != Config().max_new_tokens, "the preset must change something"
     with pytest.raises(ValueError, match="known presets: smoke, demo|known presets: demo, smoke"):
@@ -205,9 +311,16 @@ def test_config_preset_applies_in_train(tmp_path, monkeypatch):
 def test_resume_agreement_tensor_is_on_the_run_device(tmp_path, monkeypatch):
     "The all-reduce that agrees on the resume step gets a tensor on the run's device (nccl reduces only GPU tensors)."
     seen = []
-    class Reduced(Exception): pass
-    def fake_all_reduce(t, op=None): seen.append(t.device); raise Reduced
+
+    class Reduced(Exception):
+        pass
+
+    def fake_all_reduce(t, op=None):
+        seen.append(t.device)
+        raise Reduced
+
     monkeypatch.setattr(T, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
     monkeypatch.setattr(T.dist, "all_reduce", fake_all_reduce)
-    with pytest.raises(Reduced): T.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
+    with pytest.raises(Reduced):
+        T.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
     assert seen == [torch.device("meta")]
