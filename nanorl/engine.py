@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_TOKENS', 'sample_next_token', 'mix32', 'row_key',
            'step_key', 'gumbel_noise', 'seeds_per_prompt', 'stop_token_ids', 'reference_generate', 'RowState',
-           'context_limit', 'Engine', 'softcap', 'new_stats']
+           'context_limit', 'Engine', 'softcap', 'new_stats', 'Pick']
 
 # %% ../nbs/06_engine.ipynb #301f3865
 import math, numbers, operator, time
 from collections import deque
 import torch, torch.nn.functional as F
+from dataclasses import dataclass
 from fastcore.basics import patch
 from .model import KVCache
 from .calculator import use_calculator
@@ -361,9 +362,16 @@ def advance_rows(self: Engine, rows, states, col, masks, busy, retire, stats):
 
 
 # %% ../nbs/06_engine.ipynb #cc21dab3
+@dataclass(frozen=True)
+class Pick:
+    "How each next token is picked: temperature (0: argmax), top-k (None: all), stops held back for min_new_tokens."
+    temperature: float = 1.0
+    top_k: int | None = None
+    min_new_tokens: int = 0
+
 @patch
 @torch.no_grad()
-def decode_steps(self: Engine, prompts, num_samples, max_tokens, temperature, top_k, seeds, retire, min_new_tokens=0):
+def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire):
     "The decoding loop: yields (row ids, token column, mask column) per step; with `retire` finished rows get id -1."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples
@@ -378,7 +386,8 @@ def decode_steps(self: Engine, prompts, num_samples, max_tokens, temperature, to
     busy, n_done, n_dead = set(), 0, 0       # rows inside a tool call; rows finished; finished rows still in the batch
     for step in range(max_tokens):
         raw = model.unembed(h, softcap=False)                                           # (b, V)
-        ids = self.pick_tokens(raw, keys, step, temperature, top_k, suppress_stop=step < min_new_tokens)  # (b,)
+        suppress = step < pick.min_new_tokens
+        ids = self.pick_tokens(raw, keys, step, pick.temperature, pick.top_k, suppress_stop=suppress)  # (b,)
         col = ids.tolist()                                                              # the one host sync per step
         masks, forced_used = [1] * len(col), False
         if busy or not self.state_tokens.isdisjoint(col):                              # some row changes state
@@ -410,8 +419,8 @@ def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1
              min_new_tokens=0):
     "Stream (token_column, token_masks), num_samples tokens per step, like nanochat (finished rows keep decoding)."
     max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
-    for _, col, masks in self.decode_steps([tokens], num_samples, max_tokens, temperature, top_k, seeds, retire=False,
-                                           min_new_tokens=min_new_tokens):
+    pick = Pick(temperature, top_k, min_new_tokens)
+    for _, col, masks in self.decode_steps([tokens], num_samples, max_tokens, pick, seeds, retire=False):
         yield col, masks
 
 @patch
@@ -421,8 +430,8 @@ def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, tempera
     max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
     out = [[] for _ in range(len(prompts) * num_samples)]
     out_masks = [[] for _ in range(len(out))]
-    for rows, col, masks in self.decode_steps(prompts, num_samples, max_tokens, temperature, top_k, seeds, retire=True,
-                                              min_new_tokens=min_new_tokens):
+    pick = Pick(temperature, top_k, min_new_tokens)
+    for rows, col, masks in self.decode_steps(prompts, num_samples, max_tokens, pick, seeds, retire=True):
         for r, t, m in zip(rows, col, masks):
             if r >= 0:
                 out[r].append(t)
