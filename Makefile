@@ -9,7 +9,7 @@ STAMP := $(VENV)/.nanorl-installed
 OFFLINE := HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 SNAPSHOT = find nanorl nbs -maxdepth 1 -type f \( -name '*.py' -o -name '*.ipynb' \) -print0 | sort -z | xargs -0 md5sum
 
-.PHONY: setup demo test export readme lab
+.PHONY: setup demo real test export readme lab
 
 $(STAMP): setup.py settings.ini $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ setup: $(STAMP)  ## create .venv and install nanorl with its dev tools
 
 demo: $(STAMP)  ## the embedded default run on CPU
 	$(BIN)/python -m nanorl.demo
+
+real: $(STAMP)  ## RL on SmolLM2-135M-Instruct (a real chat model) on CPU, about an hour; builds its folder first
+	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) gguf accelerate
+	$(BIN)/python bench/smollm2.py
+	$(BIN)/python -m nanorl.real
 
 test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_export; \

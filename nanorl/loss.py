@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 
 # %% auto #0
-__all__ = ['NORMALIZATIONS', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_entropy', 'GraphKVCache',
-           'shared_prefix_len', 'shared_prefix_cache', 'token_logp']
+__all__ = ['NORMALIZATIONS', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_sum', 'token_entropy',
+           'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache', 'token_logp']
 
 # %% ../nbs/10_loss.ipynb #86c058da
 NORMALIZATIONS = ("nanochat", "token", "sequence", "drgrpo")
@@ -87,6 +87,11 @@ def pg_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, no
     per_token = -surrogate(logp, adv, old_logp, clip_eps)                      # (B, T)
     if kl_coef:
         per_token = per_token + kl_coef * kl_k3(logp, ref_logp)                # (B, T)
+    return token_sum(per_token, m, normalization, normalizer)
+
+def token_sum(per_token: torch.Tensor, mask: torch.Tensor, normalization: str, normalizer: float) -> torch.Tensor:
+    "The masked sum of per-token values (B, T), each row or pass normalized as `normalization` says, / normalizer."
+    m = mask.bool()                                                             # (B, T)
     per_seq = torch.where(m, per_token, torch.zeros_like(per_token)).sum(dim=1)  # (B,)
     if normalization == "sequence":
         per_seq = per_seq / m.sum(dim=1).clamp(min=1)
@@ -154,11 +159,11 @@ def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKV
     return cache.expand(inputs.shape[0])
 
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, share_prefix: bool = True,
-               with_entropy: bool = False):
+               with_entropy: bool = False, entropy_grad: bool = False):
     "Log-probability of each target token (B, T), 0 where the target is -1 (and with_entropy, each position's entropy)."
     P = shared_prefix_len(inputs, targets) if share_prefix else 0
     cache = shared_prefix_cache(model, inputs, P) if P else None
     nll, entropy = model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none",
-                         with_entropy=True)                                       # (B * (T - P),) each
+                         with_entropy=True, entropy_grad=entropy_grad)            # (B * (T - P),) each
     logp, entropy = (F.pad(x.view(inputs.shape[0], -1), (P, 0)) for x in (-nll, entropy))   # (B, T) each
     return (logp, entropy) if with_entropy else logp

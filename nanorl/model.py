@@ -425,7 +425,8 @@ def check_loss_request(idx, targets, loss_reduction, with_entropy):
     if targets.shape != idx.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
 
-def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False):
+def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
+            entropy_grad=False):
     "Logits (B, T, V); with targets the cross-entropy by `loss_reduction` and, with_entropy, the entropies (B*T,)."
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     logits = self.unembed(self.hidden(idx, kv_cache))                           # (B, T, V) float32, softcapped
@@ -435,7 +436,7 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     loss = F.cross_entropy(logits, targets, ignore_index=-1, reduction=loss_reduction)
     if not with_entropy:
         return loss
-    logp = F.log_softmax(logits.detach(), dim=-1)                               # (B*T, V)
+    logp = F.log_softmax(logits if entropy_grad else logits.detach(), dim=-1)   # (B*T, V)
     entropy = -(logp.exp() * logp).sum(-1)                                      # (B*T,)
     return loss, entropy.masked_fill(targets == -1, 0.0)
 GPT.unembed, GPT.forward = unembed, forward

@@ -6,10 +6,12 @@
 __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'Config',
            'resolve_preset', 'validate', 'build_parser', 'config_from_args', 'autodetect_device_type',
            'init_distributed', 'compute_dtype', 'autocast_for', 'lr_multiplier', 'sync_gradients', 'reduce_sums',
-           'step_normalizer', 'backward_passes', 'use_sparse_embedding_grads', 'densify_grads', 'sync_and_step',
-           'RunLog', 'make_tasks', 'run_dir', 'check_writable', 'complete_steps', 'elastic_restarts', 'PolicyStart',
-           'load_policy', 'load_resume_point', 'build_optimizer', 'NonFiniteError', 'check_tasks', 'Trainer', 'train',
-           'param_fingerprint', 'main']
+           'is_sharded', 'shard_units', 'shard_model', 'gathered', 'GatheredMuon', 'gather_muon', 'full_tensor',
+           'full_model_state', 'full_optim_state', 'sharded_optim_state', 'held_bytes', 'reset_peak_memory',
+           'peak_memory', 'memory_per_rank', 'step_normalizer', 'backward_passes', 'use_sparse_embedding_grads',
+           'densify_grads', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable', 'complete_steps',
+           'elastic_restarts', 'PolicyStart', 'load_policy', 'load_resume_point', 'build_optimizer', 'NonFiniteError',
+           'check_tasks', 'Trainer', 'train', 'param_fingerprint', 'main']
 
 # %% ../nbs/13_train.ipynb #5ba25a36
 import argparse, copy, dataclasses, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
@@ -32,7 +34,7 @@ from .model import fast_matmul_dtype
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
-from .loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss, token_logp
+from .loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss, token_logp, token_sum
 from .evaluate import evaluate_pass_at_k
 from .fast_cpu import keep_freed_memory, packed_weights   # switches the CPU fast paths on
 
@@ -87,6 +89,8 @@ class Config:
     skip_zero_signal: bool = _flag(False, "skip the passes of groups whose rewards are all equal "
                                           "(same update, less compute)")
     kl_coef: float = _flag(0.0, "KL penalty to the starting model (0: off, as nanochat)")
+    entropy_coef: float = _flag(0.0, "entropy bonus: minus this times the trained tokens' entropy, normalized as "
+                                     "the loss (0: off, as nanochat)")
     lr_schedule: str = _flag("linear", "learning-rate decay to zero: linear (nanochat) or cosine")
     eval_samples: int | None = _flag(None, "samples per eval problem (default: device_batch_size, as nanochat)")
     eval_max_new_tokens: int | None = _flag(None, "token limit in evaluation (default: max_new_tokens)")
@@ -94,6 +98,10 @@ class Config:
     max_bad_steps: int = _flag(3, "stop after this many non-finite steps in a row")
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
+    fsdp: bool = _flag(False, "shard parameters, gradients and optimizer state over the ranks with FSDP2 "
+                             "(default: DDP, every rank holds all of them)")
+    dist_timeout_min: float = _flag(60.0, "minutes a rank may wait in a collective (e.g. while rank 0 writes a "
+                                           "checkpoint) before the process group gives up")
 
 # %% ../nbs/13_train.ipynb #1164e938
 @patch
@@ -138,8 +146,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for name in POSITIVE:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.task not in ("gsm8k", "arithmetic") and cfg.task.count(":") != 1:
-        raise ValueError(f"--task must be gsm8k, arithmetic or module:factory, got {cfg.task!r}")
+    if cfg.task not in ("gsm8k", "countdown", "arithmetic") and cfg.task.count(":") != 1:
+        raise ValueError(f"--task must be gsm8k, countdown, arithmetic or module:factory, got {cfg.task!r}")
     if cfg.examples_per_step % world_size:
         raise ValueError(f"--examples-per-step {cfg.examples_per_step} must be divisible by the number "
                          f"of ranks ({world_size}); "
@@ -160,12 +168,21 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.kl_coef < 0:
         raise ValueError(f"--kl-coef must be >= 0, got {cfg.kl_coef}")
+    if not cfg.entropy_coef >= 0:
+        raise ValueError(f"--entropy-coef must be >= 0, got {cfg.entropy_coef}")
     if cfg.top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0: the whole vocabulary), got {cfg.top_k}")
     for name in ("eval_samples", "eval_max_new_tokens"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if cfg.dist_timeout_min <= 0:
+        raise ValueError(f"--dist-timeout-min must be > 0, got {cfg.dist_timeout_min}")
+    if cfg.fsdp and cfg.skip_zero_signal:
+        raise ValueError("--fsdp reduce-scatters gradients in every backward pass, so all ranks must run the same "
+                         "passes; --skip-zero-signal skips different passes on different ranks: drop one of the two")
+    if cfg.fsdp and cfg.device_type == "mps":
+        raise ValueError("--fsdp shards over cuda or cpu ranks; on mps leave it out")
     return cfg
 
 # %% ../nbs/13_train.ipynb #82613f62
@@ -206,6 +223,8 @@ def config_from_args(argv=None) -> Config:
     return resolve_preset(Config(**given), explicit=given)
 
 # %% ../nbs/13_train.ipynb #df6b2a32
+import datetime
+
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available():
@@ -214,8 +233,8 @@ def autodetect_device_type() -> str:
         return "mps"
     return "cpu"
 
-def init_distributed(device_type: str = ""):
-    "Join the torchrun process group if there is one; return (rank, world_size, device)."
+def init_distributed(device_type: str = "", timeout_min: float = 60.0, fsdp: bool = False):
+    "Join the torchrun process group if there is one (--fsdp: else a group of one); return (rank, world, device)."
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device-type cuda, but torch sees no CUDA device")
@@ -224,13 +243,16 @@ def init_distributed(device_type: str = ""):
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
     if device_type == "cuda":
         torch.cuda.set_device(device)
+    backend, extra = ("nccl", {"device_id": device}) if device_type == "cuda" else ("gloo", {})
+    timeout = datetime.timedelta(minutes=timeout_min)   # ranks wait this long at a barrier, e.g. for a checkpoint
     if world > 1 and not dist.is_initialized():
         # torchrun's store outlives a restart of the group: a fresh key prefix per attempt keeps the new workers from
         # reading the addresses that the previous attempt's (dead) workers published there
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"nanorl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
-                                **({"device_id": device} if device_type == "cuda" else {}))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
+    elif fsdp and not dist.is_initialized():            # FSDP2 shards over a process group, even a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
     return rank, world, device
 
 # %% ../nbs/13_train.ipynb #efbcdb41
@@ -284,6 +306,181 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
+# %% ../nbs/13_train.ipynb #8b9fcb79
+from contextlib import contextmanager
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from .model import Muon, MultiOptimizer, newton_schulz
+
+def is_sharded(model) -> bool:
+    "Whether FSDP2 shards `model`: its parameters are then DTensors, each rank holding a slice of the rows."
+    return isinstance(model, FSDPModule)
+
+def shard_units(model) -> list:
+    "The submodules sharded as units of their own: the transformer blocks, and nanochat's value embeddings."
+    if isinstance(model, Llama):
+        return list(model.model.layers)
+    value_embeds = getattr(model, "value_embeds", None)
+    return list(model.transformer.h) + (list(value_embeds.values()) if value_embeds is not None else [])
+
+def shard_model(model, device, dtype):
+    "Shard `model` in place over all ranks with FSDP2, each unit then the root (bf16 compute on CUDA); returns it."
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    bf16 = device.type == "cuda" and dtype == torch.bfloat16
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    mp = mp or MixedPrecisionPolicy()                                 # float32: no casts
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for method in ("hidden", "unembed"):        # called directly by the engine and the loss
+        register_fsdp_forward_method(model, method)
+    return model
+
+
+# %% ../nbs/13_train.ipynb #1ae15e5f
+@contextmanager
+def gathered(model):
+    "A block in which a sharded model's weights are whole on every rank: one all-gather, not one per decoded token."
+    if not is_sharded(model):
+        yield model
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        if unit is not model:                       # the root keeps its weights after a forward anyway
+            unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        with packed_weights(model):
+            yield model
+    finally:
+        for unit in units:
+            if unit is not model:
+                unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+
+
+# %% ../nbs/13_train.ipynb #883a662f
+class GatheredMuon(Muon):
+    "Muon on sharded matrices: momentum on each rank's rows, Newton-Schulz on the whole matrix gathered once a step."
+    @torch.no_grad()
+    def step(self):
+        "One update of every matrix that has a gradient."
+        for group in self.param_groups:
+            lr, m = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - m)                                     # this rank's rows
+                update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+                whole = update.full_tensor() if isinstance(update, DTensor) else update      # (rows, cols)
+                whole = newton_schulz(whole, group["ns_steps"], self.ns_dtype or fast_matmul_dtype(p.device.type))
+                if isinstance(p, DTensor):                                   # back to this rank's rows, no traffic
+                    whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(whole, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+
+def gather_muon(optimizer):
+    "The optimizer with each Muon replaced by a GatheredMuon of the same groups and settings (in place)."
+    if isinstance(optimizer, MultiOptimizer):
+        optimizer.optimizers = [GatheredMuon(o.param_groups, ns_dtype=o.ns_dtype) if type(o) is Muon else o
+                                for o in optimizer.optimizers]
+    return optimizer
+
+
+# %% ../nbs/13_train.ipynb #d87afca6
+def full_tensor(t):
+    "A DTensor gathered whole (a collective), anything else as it is."
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+def full_model_state(model, master: bool) -> dict:
+    "The model's whole state dict on rank 0 (`master`; on the CPU when sharded), {} on the other ranks."
+    if not is_sharded(model):
+        return model.state_dict() if master else {}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def _gathered_state(x, master: bool):
+    "x (nested dicts and lists) with every DTensor gathered whole, on the CPU of rank 0; None on the other ranks."
+    if isinstance(x, DTensor):
+        whole = x.full_tensor()
+        return whole.cpu() if master else None
+    if isinstance(x, dict):
+        return {k: _gathered_state(v, master) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_gathered_state(v, master) for v in x]
+    return x
+
+def full_optim_state(optimizer, master: bool) -> dict | None:
+    "The optimizer's state dict, sharded tensors gathered whole, on rank 0 (`master`); None on the other ranks."
+    state = _gathered_state(optimizer.state_dict(), master)
+    return state if master else None
+
+def _slice_like(t, p):
+    "A whole state tensor `t` cut to this rank's rows of the sharded parameter `p` (anything else as it is)."
+    if isinstance(p, DTensor) and isinstance(t, torch.Tensor) and t.shape == p.shape:
+        return distribute_tensor(t.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    return t
+
+def sharded_optim_state(optimizer, state: dict) -> dict:
+    "A whole optimizer state dict (DDP's or `full_optim_state`'s) with each tensor cut to this rank's slices."
+    multi = isinstance(optimizer, MultiOptimizer)
+    optimizers, states = (optimizer.optimizers, state["optimizers"]) if multi else ([optimizer], [state])
+    out = []
+    for opt, saved in zip(optimizers, states):
+        params = {i: p for g_saved, g in zip(saved["param_groups"], opt.param_groups)
+                  for i, p in zip(g_saved["params"], g["params"])}
+        local = {i: {k: _slice_like(v, params[i]) for k, v in s.items()} for i, s in saved["state"].items()}
+        out.append({**saved, "state": local})
+    return {**state, "optimizers": out} if multi else out[0]
+
+
+# %% ../nbs/13_train.ipynb #111fce9f
+import ctypes
+
+def held_bytes(model, optimizer) -> dict:
+    "Bytes this rank holds in parameters, gradients and optimizer state (a sharded tensor: its local slice)."
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)
+    params = list(model.parameters())
+    optimizers = optimizer.optimizers if isinstance(optimizer, MultiOptimizer) else [optimizer]
+    states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim]
+    return {"params": size(params), "grads": size(p.grad for p in params if p.grad is not None),
+            "optimizer": size(states)}
+
+def reset_peak_memory(device):
+    "Start a new peak measurement: CUDA's allocator peak, or on a Linux CPU the resident set's high-water mark."
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)            # glibc: freed pages back to the kernel, the mark starts at live
+        Path("/proc/self/clear_refs").write_text("5")
+    except (OSError, AttributeError):
+        pass
+
+def peak_memory(device) -> int:
+    "Bytes at the peak since `reset_peak_memory` (0 where it cannot be measured)."
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.is_file() else []
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmHWM:")), 0)
+
+
+# %% ../nbs/13_train.ipynb #6fbb0d13
+def memory_per_rank(params: int, ranks: int, fsdp: bool, muon_params: int = 0, largest_unit: int = 0) -> dict:
+    "Bytes per rank: float32 weights, gradients, optimizer state (AdamW 8 B, Muon 4 B a parameter), gradient buffer."
+    share = ranks if fsdp else 1
+    optimizer = 8 * (params - muon_params) + 4 * muon_params
+    return {"params": 4 * params / share, "grads": 4 * params / share, "optimizer": optimizer / share,
+            "grad_buffer": 4 * (largest_unit if fsdp else params)}
+
+
 # %% ../nbs/13_train.ipynb #35606c90
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
@@ -302,18 +499,21 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
     for inputs, targets, rows in passes:
         mask = targets != -1                                                   # (b, T)
         with autocast:
-            logp, entropy = token_logp(model, inputs, targets, with_entropy=True)   # (b, T) each
+            logp, entropy = token_logp(model, inputs, targets, share_prefix=not is_sharded(model), with_entropy=True,
+                                       entropy_grad=cfg.entropy_coef > 0)       # (b, T) each
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad(), autocast:
                 ref_logp = token_logp(ref_model, inputs, targets)          # (b, T)
         kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
         loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, kl=kl)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
         loss_sum += loss.item()
         logp_sum += logp.detach()[mask].sum().item()
         tokens += int(mask.sum())
-        entropy_sum += entropy[mask].sum().item()
+        entropy_sum += entropy.detach()[mask].sum().item()
     return {"loss": loss_sum, "logp_sum": logp_sum, "entropy_sum": entropy_sum, "tokens": tokens}
 
 # %% ../nbs/13_train.ipynb #5b266007
@@ -336,8 +536,9 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     for p in params:        # no gradient (every pass skipped, or a rank without rows): zero, as without the flag
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    sync_gradients(params, world_size)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
+    if not is_sharded(model):       # FSDP2 has reduce-scattered (and averaged) them in the backward passes
+        sync_gradients(params, world_size)
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, float("inf"))).item()
     if math.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
@@ -497,10 +698,18 @@ def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
     if not steps:
         raise ValueError(f"--resume: expected a complete checkpoint (model and meta or step folder, optimizer and "
                          f"resume files of "
-                         f"{world_size} rank(s)) in {start.out}, found none")
+                         f"{world_size} rank(s)) in {start.out}, found none" + _ranks_hint(start.out, world_size))
     state, start.optim_state, start.resume = load_resume_point(start.out, steps, device, world_size, rank)
     model.load_state_dict(state)
     return start
+
+def _ranks_hint(out: Path, world_size: int) -> str:
+    "Where checkpoints of another number of ranks are there: a sentence naming that number, else ''."
+    ranks = {int(f.stem.rsplit("rank", 1)[1]) for f in out.glob("resume_*_rank*.pt")} if out.is_dir() else set()
+    if not ranks or max(ranks) + 1 == world_size:
+        return ""
+    return (f"; its checkpoints were written by {max(ranks) + 1} rank(s), and a run resumes on as many ranks as wrote "
+            f"it (torchrun --nproc_per_node {max(ranks) + 1})")
 
 def _frozen_copy(model):
     "A copy of the model that never trains (the KL reference)."
@@ -542,8 +751,10 @@ def build_optimizer(model, cfg: Config, optim_state: dict | None = None):
                                            matrix_lr=cfg.matrix_lr, weight_decay=cfg.weight_decay)
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] = group["initial_lr"] * cfg.init_lr_frac
-    if optim_state is not None:
-        optimizer.load_state_dict(optim_state)
+    if is_sharded(model):
+        optimizer = gather_muon(optimizer)
+    if optim_state is not None:        # a whole state dict (any run's): cut to this rank's slices when sharded
+        optimizer.load_state_dict(sharded_optim_state(optimizer, optim_state) if is_sharded(model) else optim_state)
     return optimizer
 
 # %% ../nbs/13_train.ipynb #d1d7ac7a
@@ -575,8 +786,12 @@ class Trainer:
         policy = load_policy(cfg, device, world, rank)
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.out, self.ref_model = policy.out, policy.reference
+        if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices
+            for m in filter(None, (self.model, self.ref_model)):
+                shard_model(m, device, compute_dtype(cfg, device))
         self.optimizer = build_optimizer(self.model, cfg, policy.optim_state)
-        use_sparse_embedding_grads(self.model)
+        if not cfg.fsdp:                            # FSDP2 reduce-scatters dense gradients only
+            use_sparse_embedding_grads(self.model)
         self.engine = Engine(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.encode_special("<|assistant_end|>")
         self.resume = policy.resume or {}
@@ -587,22 +802,29 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule)
         indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
-        with packed_weights(self.model):   # the weights are fixed until the update: each matrix packed once
+        peaks, cuda = {}, self.device.type == "cuda"      # each phase's peak memory, logged on GPUs
+        reset_peak_memory(self.device) if cuda else None
+        packed = nullcontext() if is_sharded(self.model) else packed_weights(self.model)   # FSDP: in `gathered`
+        with packed:                       # the weights are fixed until the update: each matrix packed once
             batch = self.sample(step, indices)
             t1 = time.perf_counter()
+            if cuda:
+                peaks["mem_rollout_gib"] = peak_memory(self.device) / 2**30
+                reset_peak_memory(self.device)
             scores = score(self.tokenizer, self.train_task, indices, batch, cfg.num_samples, cfg.advantage)
             t2 = time.perf_counter()
             stats = self.learn(batch, scores, len(indices))
         grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
+        peaks |= {"mem_train_gib": peak_memory(self.device) / 2**30} if cuda else {}
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
-        return {"step": step, "lrm": lrm} | self.metrics(batch, scores, stats, grad_norm, lrm) | times
+        return {"step": step, "lrm": lrm} | self.metrics(batch, scores, stats, grad_norm, lrm) | peaks | times
 
 # %% ../nbs/13_train.ipynb #f6eab5be
 @patch
 def sample(self: Trainer, step: int, indices) -> Rollout:
     "This rank's samples of the step's problems, under the run's autocast."
     self.model.eval()
-    with self.autocast:
+    with gathered(self.model), self.autocast:       # a sharded model: gathered once for the whole rollout
         batch = rollout(self.engine, self.tokenizer, self.train_task, indices, self.cfg.sampling(),
                         sample_seeds(self.cfg.seed, step, indices), self.rollout_rows)
     self.model.train()
@@ -657,7 +879,7 @@ def evaluate(self: Trainer) -> dict:
     per_batch = max(1, cfg.rollout_rows // sampling.num_samples)
     while True:
         try:
-            with self.autocast:
+            with gathered(self.model), self.autocast:
                 result = evaluate_pass_at_k(self.engine, self.tokenizer, self.val_task, sampling, cfg.eval_examples,
                                             cfg.seed, per_batch, (self.rank, self.world))
             break
@@ -671,12 +893,13 @@ def save(self: Trainer, step: int, resume_state: dict):
     "A checkpoint nanochat (--model-path: transformers) loads; rank 0 adds the optimizer, each rank its resume state."
     state = {"torch_rng": torch.get_rng_state(), **resume_state}
     master = self.rank == 0
-    optim_state = self.optimizer.state_dict() if master else None
+    optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
     if self.cfg.model_path:
-        save_hf_step(self.out, step, self.model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
+        model = full_model_state(self.model, master) if is_sharded(self.model) else self.model
+        save_hf_step(self.out, step, model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
     else:
         meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
-        model_state = self.model.state_dict() if master else {}
+        model_state = full_model_state(self.model, master)
         save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
     if dist.is_initialized():
         dist.barrier()
@@ -734,7 +957,7 @@ def train(cfg: Config, tasks=None) -> list[dict]:
     "Run on-policy RL as `cfg` says (preset resolved first), on `tasks` if given; returns rank 0's records."
     cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
     check_writable(Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir))
-    rank, world, device = init_distributed(cfg.device_type)
+    rank, world, device = init_distributed(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp)
     if device.type == "cpu":
         keep_freed_memory()                                   # big per-step buffers reuse their pages
     finished = False
@@ -758,8 +981,8 @@ def param_fingerprint(model) -> str:
     return h.hexdigest()
 
 def _check_ranks_agree(model, world: int):
-    "Raise if the ranks ended with different parameters."
-    if world == 1:
+    "Raise if the ranks ended with different parameters (sharded: each slice exists once, nothing to compare)."
+    if world == 1 or is_sharded(model):
         return
     prints = [None] * world
     dist.all_gather_object(prints, param_fingerprint(model))

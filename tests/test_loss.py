@@ -1,10 +1,14 @@
-"Extra tests for nanorl.loss: relations between normalizations, random splits, -inf under the mask."
+"Extra tests for nanorl.loss: relations between normalizations, random splits, -inf under the mask, entropy bonus."
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from nanorl.loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss
+from nanorl.train import Config, backward_passes, step_normalizer
+from doubles import load_fixture_model, save_tiny_hf_model
 
 
 def batch(B, T, seed, equal_lengths=False):
@@ -97,3 +101,63 @@ def test_clip_high_only_affects_positive_side():
     (g_low,) = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=0.2), logp)
     (g_high,) = torch.autograd.grad(pg_loss(logp, adv, m, old_logp=old, clip_eps=(0.2, 0.28)), logp)
     assert g_low.item() == 0 and g_high.item() == pytest.approx(-1.25)
+
+
+def analytic_entropy_head_grad(model, inputs, mask, scale):
+    "d(scale * sum of trained positions' entropies) / d(head weight), by hand: sum over positions of (dH/du) h^T."
+    with torch.no_grad():
+        h = model.hidden(inputs)[mask]  # (N, d)
+        z = model.unembed(h)  # (N, V), softcapped for nanochat's models
+        logp = torch.log_softmax(z, dim=-1)
+        H = -(logp.exp() * logp).sum(-1, keepdim=True)  # (N, 1)
+        dH_dz = -logp.exp() * (logp + H)  # (N, V)
+        dz_du = 1 - (z / model.softcap) ** 2 if model.softcap else 1.0
+        return scale * (dH_dz * dz_du).T @ h  # (V, d)
+
+
+@pytest.mark.parametrize("family", ["nanochat", "llama"])
+@pytest.mark.parametrize("coef", [0.0, 0.05])
+def test_entropy_bonus_gradient_is_analytic(family, coef, tmp_path):
+    "Training the entropy bonus alone (zero advantages) through the trainer's passes: the head's gradient is the formula."
+    if family == "nanochat":
+        model = load_fixture_model("head")  # softcapped, through the CPU fast paths (nanorl.train imports them)
+    else:
+        from nanorl.checkpoint import load_model
+
+        save_tiny_hf_model("llama", tmp_path / "m")  # untied head, no softcap
+        model = load_model(tmp_path / "m", "cpu")[0]
+    model.train()
+    V = model.unembed(model.hidden(torch.zeros(1, 1, dtype=torch.long))).shape[-1]
+    g = torch.Generator().manual_seed(0)
+    B, P, S = 4, 12, 10
+    inputs = torch.cat(
+        [torch.randint(0, V, (1, P), generator=g).expand(B, P), torch.randint(0, V, (B, S), generator=g)], 1
+    )
+    targets = torch.roll(inputs, -1, 1)
+    targets[:, : P - 1] = -1
+    for r, n in enumerate([10, 4, 7, 1]):
+        targets[r, P - 1 + n :] = -1  # ragged completions
+    for norm in ("token", "sequence"):
+        cfg = Config(entropy_coef=coef, loss_norm=norm)
+        normalizer = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
+        model.zero_grad()
+        stats = backward_passes(
+            model, [(inputs, targets, torch.arange(B))], torch.zeros(B), cfg, normalizer, nullcontext()
+        )
+        grad = model.lm_head.weight.grad[:V]
+        mask = targets != -1
+        if norm == "token":
+            expected = analytic_entropy_head_grad(model, inputs, mask, -coef / normalizer)
+        else:  # each row's mean entropy
+            expected = sum(
+                analytic_entropy_head_grad(
+                    model, inputs[r : r + 1], mask[r : r + 1], -coef / normalizer / mask[r].sum()
+                )
+                for r in range(B)
+            )
+        assert stats["tokens"] == int(mask.sum())
+        if coef == 0:
+            assert grad is None or grad.abs().max() == 0, "no bonus, no advantage: no gradient"
+            continue
+        rel = ((grad - expected).abs().max() / expected.abs().max()).item()
+        assert rel < 1e-4, (norm, rel)

@@ -19,6 +19,7 @@ COVERED = {
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --run=my_run": "test_torchrun_lines",
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --data-dir=/data/gsm8k": "test_torchrun_lines",
     "python -m nanorl.train --help": "test_train_help",
+    "make real": "test_make_real",
     GPU_VENV: "test_gpu_setup",
     "make setup CONSTRAINTS=": "test_gpu_setup",
 }
@@ -122,6 +123,28 @@ def test_train_help():
     out = run_or_fail([sys.executable, *words[1:]]).stdout
     missing = [f.name for f in dataclasses.fields(Config) if f"--{f.name.replace('_', '-')}" not in out]
     assert not missing, f"--help does not show {missing}"
+
+
+def test_make_real(tmp_path):
+    "`make real` = install the converter, build the SmolLM2 folder, `python -m nanorl.real`; run here on a tiny folder."
+    from doubles import save_tiny_hf_model
+
+    (line,) = commands_of("test_make_real")
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "-n", *line.split()[1:]], cwd=ROOT, env=make_env, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    recipe = [l.split() for l in dry.stdout.splitlines() if "/python" in l]
+    assert [w[1:3] for w in recipe] == [["-m", "pip"], ["bench/smollm2.py"], ["-m", "nanorl.real"]], dry.stdout
+    assert recipe[-1][3:] == []  # the recorded recipe, no flags
+    save_tiny_hf_model("llama", tmp_path / "tiny")
+    out = tmp_path / "run"
+    args = ["--model-path", tmp_path / "tiny", "--num-steps", "1", "--eval-examples", "2", "--out-dir", out]
+    p = run_or_fail([sys.executable, "-m", "nanorl.real", *args, "--threads", "1"], timeout=600)
+    assert "held-out pass@1" in p.stdout
+    summary = json.loads((out / "real_summary.json").read_text())
+    assert (out / "real_curves.png").stat().st_size > 0 and len(summary["records"]) == 1
+    assert len(summary["answers_before"]) == len(summary["answers_after"]) == 3
+    assert 0 <= summary["before"] <= 1 and summary["config"]["lr"] == 3e-5
 
 
 def stand_in_index(root, name="torch", version="2.13.0+cu128"):

@@ -475,6 +475,8 @@ def test_malformed_data_rows(tmp_path):
         (dict(source="base"), "--source must be one of"),
         (dict(num_steps=0), "--num-steps must be >= 1"),
         (dict(kl_coef=-1.0), "--kl-coef must be >= 0"),
+        (dict(entropy_coef=-0.1), "--entropy-coef must be >= 0"),
+        (dict(entropy_coef=float("nan")), "--entropy-coef must be >= 0"),
         (dict(task="nope"), "module:factory"),
     ],
 )

@@ -1,0 +1,50 @@
+"""nanorl.real: the reply's final number, the missing-folder error, the recipe's settings."""
+
+import subprocess, sys
+
+import pytest
+
+from nanorl.real import FinalNumber, final_number, real_config, real_tasks, smollm2_path
+from nanorl.tasks import reference_answer
+
+
+@pytest.mark.parametrize(
+    "text, number",
+    [
+        ("Tom has 5 + 14 = 19 pens.", "19"),
+        ("1,200 apples", "1200"),
+        ("It fell to -3", "-3"),
+        ("2.50 dollars, so 7.0", "7"),
+        ("the answer is 19.", "19"),
+        ("no digits", None),
+        ("", None),
+    ],
+)
+def test_final_number(text, number):
+    assert final_number(text) == number
+
+
+def test_tasks_are_disjoint_and_scored_by_the_last_number():
+    train, held_out = real_tasks(seed=0)
+    questions = lambda t, n: {t[i]["messages"][0]["content"] for i in range(n)}
+    assert not questions(train, 2000) & questions(held_out, 500), "a held-out question is also a training question"
+    conv = held_out[3]
+    ref = reference_answer(conv, nanochat_compat=False)
+    assert held_out.reward(conv, f"{ref} or {int(ref) + 2}") == 0.0
+    assert held_out.reward(conv, f"so {ref}") == held_out.evaluate(conv, f"so {ref}") == 1.0
+    assert isinstance(held_out, FinalNumber) and conv["messages"][-1]["role"] == "assistant"
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="bench/smollm2.py"):
+        smollm2_path(tmp_path / "nothing")
+    p = subprocess.run(
+        [sys.executable, "-m", "nanorl.real", "--model-path", str(tmp_path / "nothing")], capture_output=True, text=True
+    )
+    assert p.returncode != 0 and str(tmp_path / "nothing") in p.stderr and "config.json" in p.stderr
+
+
+def test_recipe_is_cpu_float32_adamw_with_flags_applied(tmp_path):
+    cfg = real_config(tmp_path, "out", num_steps=7, entropy_coef=0.01)
+    assert (cfg.model_path, cfg.num_steps, cfg.entropy_coef, cfg.device_type) == (str(tmp_path), 7, 0.01, "cpu")
+    assert cfg.examples_per_step * cfg.num_samples == 32 and cfg.dtype == "float32"
