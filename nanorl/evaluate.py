@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
-from .rollout import Sampling, completion_text, problem_seed
+from .rollout import Sampling, completion_text, problem_seed, prompt_ids
 
 # %% auto #0
 __all__ = ['EVAL_SAMPLING', 'pass_at_k', 'pass_at_k_first', 'mean_and_stderr', 'sample_outcomes', 'PassAtK', 'evaluate_pass_at_k']
@@ -74,13 +74,13 @@ def sample_outcomes(engine, tokenizer, task, indices, sampling: Sampling = EVAL_
     for start in range(0, len(indices), prompts_per_batch):
         batch = indices[start:start + prompts_per_batch]
         conversations = [task[i] for i in batch]
-        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        prompts = [prompt_ids(tokenizer, c) for c in conversations]
         seqs, _ = engine.generate_many(prompts, seed=[problem_seed(seed, i) for i in batch], **sampling.engine_args())
         if len(seqs) != len(prompts) * num_samples:
             raise ValueError(f"engine returned {len(seqs)} sequences, expected {len(prompts)} x {num_samples}")
         for j, seq in enumerate(seqs):
             p = j // num_samples
-            text = completion_text(tokenizer, seq, len(prompts[p]))
+            text = completion_text(tokenizer, seq, len(prompts[p]), conversations[p])
             out[start + p, j % num_samples] = bool(task.evaluate(conversations[p], text))
         bar.update(len(batch))
     bar.close()

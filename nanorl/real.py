@@ -12,6 +12,7 @@ import torch
 
 from .checkpoint import load_model
 from .engine import Engine
+from .rollout import completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
 from .train import Config, train
 from .demo import eval_points, moving_average, set_threads
@@ -105,10 +106,10 @@ def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
     engine, out = Engine(model.eval(), tokenizer), []
     for i in indices:
         conv = task[i]
-        ids = tokenizer.render_for_completion(conv)
+        ids = prompt_ids(tokenizer, conv)                   # the chat template's prompt (and any assistant prefix)
         seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=cfg.max_new_tokens,
                                         temperature=cfg.temperature, top_k=cfg.top_k, seed=1000 + i)
-        reply = tokenizer.decode(seqs[0][len(ids):])
+        reply = completion_text(tokenizer, seqs[0], len(ids), conv)
         out.append({"question": conv["messages"][0]["content"], "reply": reply,
                     "answer": reference_answer(conv, nanochat_compat=False), "right": task.evaluate(conv, reply)})
     return out

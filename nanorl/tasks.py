@@ -524,10 +524,11 @@ def countdown_split(nums, target, test_fraction: float) -> str:
     "A problem's split ('train' or 'test'), from a stable hash of its sorted numbers and target."
     return _split_of(f"{sorted(int(n) for n in nums)}|{int(target)}", test_fraction)
 
-def random_countdown(rng: random.Random, max_tries: int = 1000) -> dict:
-    "One problem {nums, target, solution}: 3-4 numbers in 1..99 and a target in 1..100 that `solution` reaches."
+def random_countdown(rng: random.Random, sizes=(3, 4), max_number: int = 99, max_target: int = 100,
+                     max_tries: int = 1000) -> dict:
+    "One problem {nums, target, solution}: `sizes` numbers in 1..max_number, a target in 1..max_target it reaches."
     for _ in range(max_tries):
-        nums = [rng.randint(1, 99) for _ in range(rng.choice((3, 4)))]
+        nums = [rng.randint(1, max_number) for _ in range(rng.choice(sizes))]
         terms = [(str(n), n) for n in nums]                        # (text, value); integer steps keep this fast
         rng.shuffle(terms)
         while len(terms) > 1:                                      # join two random terms with a random operator
@@ -536,7 +537,7 @@ def random_countdown(rng: random.Random, max_tries: int = 1000) -> dict:
             value = a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a // b
             terms.append((f"({ta} {op} {tb})", value))
         expr, value = terms[0][0][1:-1], terms[0][1]
-        if 1 <= value <= 100:
+        if 1 <= value <= max_target:
             return {"nums": nums, "target": value, "solution": expr}
     raise ValueError(f"no reachable target in {max_tries} draws")
 
@@ -552,7 +553,13 @@ def check_countdown_row(row, where: str) -> dict:
         raise ValueError(f"{where}: 'nums' must be a non-empty list of integers, found {nums!r}")
     if not is_int(target):
         raise ValueError(f"{where}: 'target' must be an integer, found {target!r}")
-    return {"nums": [int(n) for n in nums], "target": int(target)}
+    out = {"nums": [int(n) for n in nums], "target": int(target)}
+    solution = row.get("solution")
+    if solution is not None:                                        # optional: a reference solution, checked
+        if not isinstance(solution, str) or countdown_reward(f"<answer>{solution}</answer>", *out.values()) != 1.0:
+            raise ValueError(f"{where}: 'solution' {solution!r} does not reach {target} with {list(nums)}")
+        out["solution"] = solution
+    return out
 
 def read_countdown_rows(path) -> list[dict]:
     "Countdown rows from a .jsonl or .parquet file, or every such file in a folder; errors name the file and row."
@@ -597,7 +604,7 @@ class Countdown(Task):
     shaping_type = CountdownShaping
 
     def __init__(self, split: str = "train", source=None, n: int = 2000, seed: int = 0, test_fraction: float = 0.1,
-                 system: str | None = COUNTDOWN_SYSTEM, **kwargs):
+                 system: str | None = COUNTDOWN_SYSTEM, assistant_prefix: str | None = None, **kwargs):
         "`source`: None (generate n problems from `seed`), a list of rows, a jsonl/parquet path, or 'hub'."
         super().__init__(**kwargs)
         if split not in ("train", "test", "all"):
@@ -614,7 +621,9 @@ class Countdown(Task):
         if rows is None:
             rows = self._generate(n, seed, keep)
         self.problems = [r for r in rows if keep(r)]
-        self.system = system
+        if assistant_prefix is not None and not isinstance(assistant_prefix, str):
+            raise ValueError(f"assistant_prefix must be a str or None, got {type(assistant_prefix).__name__}")
+        self.system, self.assistant_prefix = system, assistant_prefix or None
 
     @staticmethod
     def _generate(n, seed, keep) -> list[dict]:
@@ -636,14 +645,23 @@ def num_examples(self: Countdown) -> int:
 @patch
 def get_example(self: Countdown, index: int) -> dict:
     "The conversation of problem `index`; the assistant turn holds the reference solution when there is one."
-    p = self.problems[index]
+    p, prefix = self.problems[index], self.assistant_prefix or ""
     solution = p.get("solution")
     answer = f"<think>{solution} = {p['target']}</think>\n<answer>{solution}</answer>" if solution else ""
+    if prefix.rfind("<think>") > prefix.rfind("</think>"):       # the prefix opened the think block already
+        answer = answer.removeprefix("<think>")
     messages = [{"role": "user", "content": countdown_prompt(p["nums"], p["target"])},
-                {"role": "assistant", "content": answer}]
+                {"role": "assistant", "content": prefix + answer}]
     if self.system:
         messages.insert(0, {"role": "system", "content": self.system})
-    return {"messages": messages, "nums": list(p["nums"]), "target": p["target"]}
+    conversation = {"messages": messages, "nums": list(p["nums"]), "target": p["target"]}
+    return {**conversation, "assistant_prefix": prefix} if prefix else conversation
+
+@patch
+def texts(self: Countdown) -> Iterator[str]:
+    "The text of every conversation, for training a tokenizer on this task."
+    for i in range(len(self)):
+        yield conversation_text(self[i])
 
 @patch
 def evaluate(self: Countdown, conversation: dict, completion: str) -> bool:

@@ -501,3 +501,28 @@ def token_biased(model, token, bias=50.0):
     vector = torch.zeros(model.config.vocab_size)
     vector[token] = bias
     return BiasedModel(model, vector)
+
+
+# ---------------------------------------------------------------- Countdown through both tokenizers
+
+
+def tiny_chat_tokenizer(family, folder):
+    "nanorl's ChatTokenizer over tiny_hf_tokenizer(family) (its real chat template), saved into folder."
+    from nanorl.llama import ChatTokenizer
+
+    tiny_hf_tokenizer(family).save_pretrained(folder)
+    return ChatTokenizer.from_directory(folder)
+
+
+class ReplyEngine:
+    "Stand-in engine: every sample continues its prompt with the tokens of one reply (mask 0 on the prompt, 1 after)."
+
+    last_stats = {}
+
+    def __init__(self, tokenizer, reply):
+        self.reply = tokenizer.encode(reply)
+
+    def generate_many(self, prompts, num_samples=1, seed=None, **kw):
+        seqs = [list(p) + self.reply for p in prompts for _ in range(num_samples)]
+        masks = [[0] * len(p) + [1] * len(self.reply) for p in prompts for _ in range(num_samples)]
+        return seqs, masks
