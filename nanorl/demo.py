@@ -179,14 +179,14 @@ def moving_average(values, width: int = 10):
     "Trailing mean over the last `width` values (fewer at the start)."
     return [sum(values[max(0, i - width + 1):i + 1]) / (i + 1 - max(0, i - width + 1)) for i in range(len(values))]
 
-def plot_run(records, path, title: str = "", k: int = 4):
-    "Save reward / pass@k / sequence-length panels of an RL run as a PNG; returns the path."
+def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
+    "Save reward / pass@k / length (and with `entropy`, entropy) panels of an RL run as a PNG; returns the path."
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     n = len(records)
     steps, rewards = [r["step"] for r in records], [r["reward"] for r in records]
-    fig, ax = plt.subplots(1, 3, figsize=(12, 3.2))
+    fig, ax = plt.subplots(1, 3 + entropy, figsize=(12 + 3 * entropy, 3.2))
     ax[0].plot(steps, rewards, ".", alpha=0.35, label="per step")
     ax[0].plot(steps, moving_average(rewards), label="moving average (10)")
     ax[0].set(title="training reward", xlabel="step", ylim=(0, 1))
@@ -201,6 +201,10 @@ def plot_run(records, path, title: str = "", k: int = 4):
     ax[2].plot(steps, [r["seq_len"] for r in records], ".", alpha=0.35)
     ax[2].plot(steps, moving_average([r["seq_len"] for r in records]))
     ax[2].set(title="completion length (tokens)", xlabel="step")
+    if entropy:
+        ax[3].plot(steps, [r["entropy"] for r in records], ".", alpha=0.35)
+        ax[3].plot(steps, moving_average([r["entropy"] for r in records]))
+        ax[3].set(title="entropy of the sampled tokens (nats)", xlabel="step")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

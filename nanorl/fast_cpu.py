@@ -204,7 +204,7 @@ def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=Fa
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
             entropy_grad=False):
     "The plain forward, but a loss unembeds only the trained positions, through `softcapped_nll`."
-    if targets is None or entropy_grad:   # an entropy to train on: the plain path (SoftcappedNLL's is not differentiable)
+    if targets is None or entropy_grad:   # an entropy to train on takes the plain path: SoftcappedNLL's has no grad
         return PLAIN[GPT, "forward"](self, idx, targets, kv_cache, loss_reduction, with_entropy, entropy_grad)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)

@@ -537,20 +537,14 @@ class ChatTokenizer:
 
 # %% ../nbs/03_llama.ipynb #b8d7764d
 ChatTokenizer._token_id = Tokenizer._token_id   # a special token's name or an id, as an id: the same rule
+ChatTokenizer.encode = Tokenizer.encode         # the same framing; only the ordinary encoding below differs
 
 @patch
-def encode(self: ChatTokenizer, text, prepend=None, append=None, num_threads=None):
-    "Ids of `text` (a str or a list of str); special-token strings stay ordinary text. num_threads: unused (automatic)."
-    if isinstance(text, str):
-        rows = [self.plain.encode(text, add_special_tokens=False).ids]
-    elif isinstance(text, list) and all(isinstance(t, str) for t in text):
-        rows = [e.ids for e in self.plain.encode_batch(text, add_special_tokens=False)]
-    else:
-        raise ValueError(f"expected a str or a list of str, found {type(text).__name__}")
-    head = [] if prepend is None else [self._token_id(prepend)]
-    tail = [] if append is None else [self._token_id(append)]
-    rows = [head + row + tail for row in rows]
-    return rows[0] if isinstance(text, str) else rows
+def _ordinary(self: ChatTokenizer, texts, num_threads=None):
+    "Ids of each str in `texts`, no special tokens added or parsed; the tokenizers library picks its own threads."
+    if len(texts) == 1:
+        return [self.plain.encode(texts[0], add_special_tokens=False).ids]
+    return [e.ids for e in self.plain.encode_batch(texts, add_special_tokens=False)]
 
 ChatTokenizer.__call__ = ChatTokenizer.encode
 

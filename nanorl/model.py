@@ -513,10 +513,13 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - m)                                     # buf = m buf + (1 - m) grad
                 update = p.grad.lerp(buf, m) if group["nesterov"] else buf   # Nesterov: look one step ahead
-                dtype = self.ns_dtype or fast_matmul_dtype(p.device.type)
-                update = newton_schulz(update, group["ns_steps"], dtype)
+                update = self.orthogonalize(update, group)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+
+    def orthogonalize(self, update, group):
+        "The update (rows, cols) through Newton-Schulz, in the faster matmul dtype of its device unless ns_dtype says."
+        return newton_schulz(update, group["ns_steps"], self.ns_dtype or fast_matmul_dtype(update.device.type))
 
 # %% ../nbs/02_model.ipynb #0ff03cf5
 class MultiOptimizer:

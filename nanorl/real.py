@@ -5,7 +5,7 @@
 # %% ../nbs/15_real.ipynb #b810dcce
 from __future__ import annotations
 import argparse, json, os, re, sys, time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -15,12 +15,11 @@ from .engine import Engine
 from .rollout import completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
 from .train import Config, train
-from .demo import eval_points, moving_average, set_threads
+from .demo import plot_run, set_threads
 
 # %% auto #0
 __all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'SMOLLM2_DEFAULT', 'REAL_DIFFICULTY', 'final_number', 'FinalNumber', 'smollm2_path',
-           'real_tasks', 'real_config', 'plot_real', 'sample_answers', 'last_checkpoint', 'run_real', 'real_parser',
-           'main']
+           'real_tasks', 'real_config', 'sample_answers', 'last_checkpoint', 'run_real', 'real_parser', 'main']
 
 # %% ../nbs/15_real.ipynb #df1b62d1
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -71,34 +70,6 @@ def real_config(model_path, out_dir: str = "runs/real", **changes) -> Config:
                     save_every=80, dtype="float32")
     return Config(**{**settings, **changes})
 
-# %% ../nbs/15_real.ipynb #9ec22d3f
-def plot_real(records, path, title: str = "", k: int = 4):
-    "Save reward / pass@k / reply length / entropy panels of a run as a PNG; returns the path."
-    import matplotlib
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(1, 4, figsize=(15, 3.2))
-    for a, key, name in ((ax[0], "reward", "training reward"), (ax[2], "seq_len", "reply length (tokens)"),
-                         (ax[3], "entropy", "entropy of sampled tokens (nats)")):
-        values = [r[key] for r in records]
-        a.plot(steps, values, ".", alpha=0.35)
-        a.plot(steps, moving_average(values), label="moving average (10)")
-        a.set(title=name, xlabel="step")
-    for key in ("pass@1", f"pass@{k}"):
-        pts = eval_points(records, len(records), key)
-        if pts:
-            x, y, se = zip(*pts)
-            ax[1].errorbar(x, y, yerr=[2 * s for s in se], marker="o", capsize=3, label=key)
-    ax[1].set(title="held-out pass@k (±2 s.e.)", xlabel="updates done", ylim=(0, 1))
-    ax[1].legend(loc="upper left", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return Path(path)
-
 # %% ../nbs/15_real.ipynb #fae7c29d
 def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
     "One reply of the model in `model_dir` to each held-out problem in `indices`: question, reply, right or not."
@@ -132,10 +103,10 @@ def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
     out = Path(cfg.output_dir)
     summary = {"before": evals[0]["pass@1"], "before_se": evals[0]["pass@1_se"], "after": evals[-1]["pass@1"],
                "after_se": evals[-1]["pass@1_se"], "seconds": seconds, "threads": torch.get_num_threads(),
-               "config": {k: v for k, v in vars(cfg).items()}, "records": records}
+               "config": asdict(cfg), "records": records}
     title = (f"SmolLM2-135M-Instruct: held-out pass@1 {summary['before']:.3f} -> {summary['after']:.3f} "
              f"in {seconds / 60:.0f} min")
-    summary["plot"] = str(plot_real(records, out / "real_curves.png", title, k=cfg.eval_samples))
+    summary["plot"] = str(plot_run(records, out / "real_curves.png", title, k=cfg.eval_samples, entropy=True))
     summary["answers_before"] = sample_answers(cfg.model_path, held_out, show, cfg)
     summary["answers_after"] = sample_answers(last_checkpoint(cfg.output_dir), held_out, show, cfg)
     (out / "real_summary.json").write_text(json.dumps(summary, indent=1, default=str))

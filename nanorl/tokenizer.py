@@ -207,14 +207,18 @@ def _token_id(self: Tokenizer, token):
     raise ValueError(f"expected a special-token name or an id in [0, {self.get_vocab_size()}), found {token!r}")
 
 @patch
+def _ordinary(self: Tokenizer, texts, num_threads=8):
+    "Ids of each str in `texts`, special-token strings as ordinary text (a batch in parallel)."
+    if len(texts) == 1:
+        return [self.enc.encode_ordinary(texts[0])]
+    return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)
+
+@patch
 def encode(self: Tokenizer, text, prepend=None, append=None, num_threads=8):
     "Ids of `text` (a str, or a list of str encoded in parallel); special-token strings stay ordinary text."
-    if isinstance(text, str):
-        rows = [self.enc.encode_ordinary(text)]
-    elif isinstance(text, list) and all(isinstance(t, str) for t in text):
-        rows = self.enc.encode_ordinary_batch(text, num_threads=num_threads)
-    else:
+    if not (isinstance(text, str) or isinstance(text, list) and all(isinstance(t, str) for t in text)):
         raise ValueError(f"expected a str or a list of str, found {type(text).__name__}")
+    rows = self._ordinary([text] if isinstance(text, str) else text, num_threads)
     head = [] if prepend is None else [self._token_id(prepend)]
     tail = [] if append is None else [self._token_id(append)]
     rows = [head + row + tail for row in rows]

@@ -312,7 +312,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from .model import Muon, MultiOptimizer, newton_schulz
+from .model import Muon, MultiOptimizer
 
 def is_sharded(model) -> bool:
     "Whether FSDP2 shards `model`: its parameters are then DTensors, each rank holding a slice of the rows."
@@ -364,26 +364,12 @@ def gathered(model):
 # %% ../nbs/13_train.ipynb #883a662f
 class GatheredMuon(Muon):
     "Muon on sharded matrices: momentum on each rank's rows, Newton-Schulz on the whole matrix gathered once a step."
-    @torch.no_grad()
-    def step(self):
-        "One update of every matrix that has a gradient."
-        for group in self.param_groups:
-            lr, m = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - m)                                     # this rank's rows
-                update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-                whole = update.full_tensor() if isinstance(update, DTensor) else update      # (rows, cols)
-                whole = newton_schulz(whole, group["ns_steps"], self.ns_dtype or fast_matmul_dtype(p.device.type))
-                if isinstance(p, DTensor):                                   # back to this rank's rows, no traffic
-                    whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(whole, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+    def orthogonalize(self, update, group):
+        "Newton-Schulz on the whole matrix (an all-gather of a sharded update), then this rank's rows of the result."
+        if not isinstance(update, DTensor):
+            return super().orthogonalize(update, group)
+        whole = super().orthogonalize(update.full_tensor(), group)          # (rows, cols) on every rank
+        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)  # no traffic
 
 def gather_muon(optimizer):
     "The optimizer with each Muon replaced by a GatheredMuon of the same groups and settings (in place)."

@@ -526,3 +526,23 @@ class ReplyEngine:
         seqs = [list(p) + self.reply for p in prompts for _ in range(num_samples)]
         masks = [[0] * len(p) + [1] * len(self.reply) for p in prompts for _ in range(num_samples)]
         return seqs, masks
+
+
+SMALL_RUN = dict(
+    task="doubles:toy_tasks",
+    device_type="cpu",
+    examples_per_step=2,
+    num_samples=4,
+    device_batch_size=4,
+    max_new_tokens=12,
+    eval_every=100,
+    eval_examples=2,
+    save_every=100,
+    seed=7,
+)
+
+
+def small_run(**changes):
+    "Command-line flags of a small CPU run on the toy task: SMALL_RUN with `changes` (None leaves a flag out)."
+    settings = {**SMALL_RUN, **changes}
+    return [w for k, v in settings.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from doubles import base_dir, checkpoints_of, records, save_tiny_hf_model
+from doubles import base_dir, checkpoints_of, records, save_tiny_hf_model, small_run
 from nanorl.checkpoint import load_model
 from nanorl.train import Config, validate
 from test_reliability import (
@@ -170,32 +170,7 @@ def test_resume_on_more_ranks_is_refused(fsdp_run, tmp_path):
     assert "written by 1 rank(s)" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
 
 
-HF_SMALL = [
-    "--task",
-    "doubles:toy_tasks",
-    "--device-type",
-    "cpu",
-    "--examples-per-step",
-    "2",
-    "--num-samples",
-    "4",
-    "--device-batch-size",
-    "4",
-    "--max-new-tokens",
-    "10",
-    "--eval-every",
-    "100",
-    "--eval-examples",
-    "2",
-    "--save-every",
-    "100",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "5",
-    "--num-steps",
-    "2",
-]
+HF_SMALL = small_run(max_new_tokens=10, lr="1e-3", seed=5, num_steps=2)
 
 
 def test_hf_model_under_fsdp(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from doubles import save_tiny_hf_model, token_biased
+from doubles import save_tiny_hf_model, small_run, token_biased
 from nanorl.checkpoint import (
     SAFETENSORS_INDEX,
     CheckpointError,
@@ -28,30 +28,7 @@ ENV = {
     "WANDB_MODE": "disabled",
     "HF_HUB_OFFLINE": "1",
 }
-SMALL = [
-    "--task",
-    "doubles:toy_tasks",
-    "--device-type",
-    "cpu",
-    "--examples-per-step",
-    "2",
-    "--num-samples",
-    "4",
-    "--device-batch-size",
-    "4",
-    "--max-new-tokens",
-    "12",
-    "--eval-every",
-    "100",
-    "--eval-examples",
-    "2",
-    "--save-every",
-    "100",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
-]
+SMALL = small_run(lr="1e-3")
 IDS = torch.randint(0, 500, (2, 23), generator=torch.Generator().manual_seed(3))
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from doubles import base_dir, records, checkpoints_of, weights
+from doubles import base_dir, records, checkpoints_of, small_run, weights
 from nanorl.checkpoint import CheckpointError, load_model
 from nanorl.rollout import Sampling
 from nanorl.train import (
@@ -26,32 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "nanochat" / "head"
 GSM8K_FIXTURE = ROOT / "tests" / "fixtures" / "gsm8k"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SMALL = [
-    "--device-type",
-    "cpu",
-    "--examples-per-step",
-    "2",
-    "--num-samples",
-    "4",
-    "--device-batch-size",
-    "4",
-    "--max-new-tokens",
-    "12",
-    "--eval-every",
-    "3",
-    "--eval-examples",
-    "2",
-    "--save-every",
-    "2",
-    "--task",
-    "doubles:toy_tasks",
-    "--matrix-lr",
-    "0.05",
-    "--init-lr-frac",
-    "1.0",
-    "--seed",
-    "7",
-]
+SMALL = small_run(eval_every=3, save_every=2, matrix_lr=0.05, init_lr_frac=1.0)
 ENV = {
     **os.environ,
     "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -7,36 +7,13 @@ import pytest
 import torch
 
 import nanorl.train as T
-from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, weights
+from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, weights
 from nanorl.checkpoint import load_model
 from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SMALL = [
-    "--examples-per-step",
-    "2",
-    "--num-samples",
-    "4",
-    "--device-batch-size",
-    "4",
-    "--max-new-tokens",
-    "12",
-    "--eval-every",
-    "100",
-    "--eval-examples",
-    "4",
-    "--save-every",
-    "100",
-    "--task",
-    "doubles:toy_tasks",
-    "--matrix-lr",
-    "0.05",
-    "--init-lr-frac",
-    "1.0",
-    "--seed",
-    "7",
-]
+SMALL = small_run(device_type=None, eval_examples=4, matrix_lr=0.05, init_lr_frac=1.0)
 
 
 def torchrun_train(nproc, base, *args):
