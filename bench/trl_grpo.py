@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "bench" / "results" / "venv-trl"
 PINS = ["trl==1.16.0", "transformers==5.23.0", "pytest"]
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
-DEFAULT_FOLDER = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl")) / "smollm2-135m-instruct"
 EXAMPLES, SAMPLES, ROWS_PER_PASS, MAX_NEW, TOP_K = 2, 8, 8, 128, 50
 
 
@@ -252,7 +251,7 @@ def summary(side: str, r: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per side (the first is not counted)")
-    ap.add_argument("--folder", type=Path, default=Path(os.environ.get("NANORL_SMOLLM2", DEFAULT_FOLDER)))
+    ap.add_argument("--folder", type=Path, help="the SmolLM2 folder (default: nanorl.real.smollm2_default())")
     ap.add_argument("--data-dir", type=Path, default=GSM8K_DIR, help="GSM8K's train.jsonl/test.jsonl")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--threads", type=int, default=2)
@@ -283,6 +282,10 @@ def main():
         return trl_worker(args)
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2: the first step is not counted")
+    if args.folder is None:  # resolved here, inside the venv that has nanorl
+        from nanorl.real import smollm2_default
+
+        args.folder = smollm2_default()
     if not (args.folder / "config.json").exists():
         raise SystemExit(f"no model in {args.folder}: run `python bench/smollm2.py` or pass --folder")
     sys.path.insert(0, str(Path(__file__).parent))

@@ -142,13 +142,13 @@ def _head_product(weight, packed, n_rows):
 
 # %% ../nbs/12_fast_cpu.ipynb #0f4dc901
 class SoftcappedNLL(torch.autograd.Function):
-    "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, the gradient formed in the forward."
+    "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, the gradients formed in the forward."
     @staticmethod
-    def forward(ctx, h, weight, targets, softcap, chunk_rows, packed):
+    def forward(ctx, h, weight, targets, softcap, chunk_rows, packed, entropy_grad=False):
         "nll (N,) and entropy (N,) for h (N, d), weight (V, d), targets (N,), `chunk_rows` rows at a time."
         N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
         head = _head_product(weight, packed, N)
-        nll, entropy, dz = [], [], None                                         # dz (N, V): a quarter of d nll / d z
+        nll, entropy, dz, de = [], [], None, None        # dz, de (N, V): a quarter of d nll / dz, of d entropy / dz
         for s in range(0, N, chunk_rows):
             z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
             u = z.to(torch.promote_types(z.dtype, torch.float32)).mul_(2 / softcap).sigmoid_()  # (n, V): tanh = 2u - 1
@@ -163,39 +163,49 @@ class SoftcappedNLL(torch.autograd.Function):
                 continue
             if dz is None:
                 dz = torch.empty(N, weight.shape[0], dtype=z.dtype, device=h.device)
+                de = torch.empty_like(dz) if entropy_grad else None
+            if entropy_grad:                                                    # d H / d logits = -p (log p + H)
+                g = (logits - lse[:, None]).add_(entropy[-1][:, None]).mul_(p).neg_()   # (n, V)
+                torch.ops.aten.sigmoid_backward.grad_input(g, u, grad_input=de[s:s + chunk_rows])
             p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
             torch.ops.aten.sigmoid_backward.grad_input(p, u, grad_input=dz[s:s + chunk_rows])  # (p - onehot) u (1 - u)
         if needs_grad:
             if dz is None:                                                      # no rows at all
                 dz = h.new_zeros(0, weight.shape[0])
-            ctx.save_for_backward(h, weight, dz)
+            ctx.save_for_backward(h, weight, dz, de if de is not None else dz.new_zeros(0))
         if nll:
             nll, entropy = torch.cat(nll), torch.cat(entropy)                   # (N,), (N,)
         else:                                                                   # no rows at all
             dtype = torch.promote_types(h.dtype, torch.float32)
             nll, entropy = h.new_zeros(0, dtype=dtype), h.new_zeros(0, dtype=dtype)
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return nll, entropy
 
     @staticmethod
     def backward(ctx, grad_nll, grad_entropy):
-        "Gradients of h and weight: two products with the stored dz."
-        h, weight, dz = ctx.saved_tensors
+        "Gradients of h and weight: two products with the stored dz (and de, when the entropy is trained on)."
+        h, weight, dz, de = ctx.saved_tensors
+        if de.numel() and grad_entropy is not None:                             # one (N, V) gradient of both outputs
+            dz = (dz * grad_nll[:, None] + de * grad_entropy[:, None]).to(dz.dtype)
+            grad_nll = torch.ones_like(grad_nll)
         g = 4 * grad_nll[:, None]                                               # (N, 1); 4: dz holds a quarter
         grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
         grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
-        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None, None
+        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None, None, None
 
 
 # %% ../nbs/12_fast_cpu.ipynb #c708dc9a
-def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False, packed=None):
+def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False, packed=None,
+                   entropy_grad=False):
     "-log p(target) (N,) for h (N, d), head weight (V, d), targets (N,); with_entropy also the entropies (N,)."
     if h.ndim != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
     if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
         budget = 2**22 if h.device.type == "cpu" else 2**28
         chunk_rows = max(1, budget // weight.shape[0])
-    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows), packed)  # packed: W's copy
+    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows), packed,  # packed: W's copy
+                                       bool(entropy_grad))
     return (nll, entropy) if with_entropy else nll
 
 
@@ -204,8 +214,8 @@ def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=Fa
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
             entropy_grad=False):
     "The plain forward, but a loss unembeds only the trained positions, through `softcapped_nll`."
-    if targets is None or entropy_grad:   # an entropy to train on takes the plain path: SoftcappedNLL's has no grad
-        return PLAIN[GPT, "forward"](self, idx, targets, kv_cache, loss_reduction, with_entropy, entropy_grad)
+    if targets is None:
+        return PLAIN[GPT, "forward"](self, idx, None, kv_cache, loss_reduction, with_entropy)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
     flat_targets = targets.reshape(-1)                                          # (B*T,)
@@ -214,7 +224,7 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     head = self.lm_head.weight[: self.config.vocab_size]                       # (V, d)
     packed = self.lm_head.pack if onednn_pays(*head.shape) else None           # the loss: where measured faster
     losses, entropy = softcapped_nll(h_kept, head, flat_targets.index_select(0, keep), self.softcap,
-                                     with_entropy=True, packed=packed)          # (N,), (N,)
+                                     with_entropy=True, packed=packed, entropy_grad=entropy_grad)          # (N,), (N,)
     if loss_reduction == "mean":
         loss = losses.mean()
     elif loss_reduction == "sum":

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 
 # %% auto #0
@@ -161,6 +162,7 @@ def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKV
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, share_prefix: bool = True,
                with_entropy: bool = False, entropy_grad: bool = False):
     "Log-probability of each target token (B, T), 0 where the target is -1 (and with_entropy, each position's entropy)."
+    share_prefix = share_prefix and not (torch.is_grad_enabled() and isinstance(model, FSDPModule))  # see below
     P = shared_prefix_len(inputs, targets) if share_prefix else 0
     cache = shared_prefix_cache(model, inputs, P) if P else None
     nll, entropy = model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none",

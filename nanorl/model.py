@@ -433,10 +433,11 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     if targets is None:
         return logits
     logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)  # (B*T, V), (B*T,)
-    loss = F.cross_entropy(logits, targets, ignore_index=-1, reduction=loss_reduction)
     if not with_entropy:
-        return loss
-    logp = F.log_softmax(logits if entropy_grad else logits.detach(), dim=-1)   # (B*T, V)
+        return F.cross_entropy(logits, targets, ignore_index=-1, reduction=loss_reduction)
+    logp = F.log_softmax(logits, dim=-1)                                        # (B*T, V): once, for both
+    loss = F.nll_loss(logp, targets, ignore_index=-1, reduction=loss_reduction)
+    logp = logp if entropy_grad else logp.detach()
     entropy = -(logp.exp() * logp).sum(-1)                                      # (B*T,)
     return loss, entropy.masked_fill(targets == -1, 0.0)
 GPT.unembed, GPT.forward = unembed, forward

@@ -5,7 +5,7 @@
 # %% ../nbs/15_real.ipynb #b810dcce
 from __future__ import annotations
 import argparse, json, os, re, sys, time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -14,12 +14,12 @@ from .checkpoint import load_model
 from .engine import Engine
 from .rollout import completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
-from .train import Config, train
+from .train import Config, run_dir, train
 from .demo import plot_run, set_threads
 
 # %% auto #0
-__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'SMOLLM2_DEFAULT', 'REAL_DIFFICULTY', 'final_number', 'FinalNumber', 'smollm2_path',
-           'real_tasks', 'real_config', 'sample_answers', 'last_checkpoint', 'run_real', 'real_parser', 'main']
+__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'REAL_DIFFICULTY', 'final_number', 'FinalNumber', 'smollm2_default', 'smollm2_path',
+           'real_tasks', 'real_config', 'sample_answers', 'run_real', 'real_parser', 'main']
 
 # %% ../nbs/15_real.ipynb #df1b62d1
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -28,7 +28,7 @@ INSTRUCTION = " Give the final answer as a number at the end."
 def final_number(text: str) -> str | None:
     "The last number in `text`, canonical (`'1,200.0'` -> `'1200'`); None when there is none."
     numbers = _NUMBER.findall(text[-2000:])
-    return canonical_number(numbers[-1].rstrip(",")) if numbers else None
+    return canonical_number(numbers[-1]) if numbers else None
 
 class FinalNumber(TaskView):
     "A `####` task asked with an instruction and scored by the reply's last number."
@@ -45,12 +45,16 @@ class FinalNumber(TaskView):
 
 # %% ../nbs/15_real.ipynb #a2d595eb
 SMOLLM2_ENV = "NANORL_SMOLLM2"
-SMOLLM2_DEFAULT = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl")) / "smollm2-135m-instruct"
 REAL_DIFFICULTY = Difficulty(min_value=2, max_value=20, num_steps=1, ops="+-")
 
+def smollm2_default() -> Path:
+    "Where the SmolLM2 folder is looked for (and built): $NANORL_SMOLLM2, else $NANORL_CACHE's (~/.cache/nanorl)."
+    cache = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
+    return Path(os.environ.get(SMOLLM2_ENV) or cache / "smollm2-135m-instruct").expanduser()
+
 def smollm2_path(path=None) -> Path:
-    "The SmolLM2-135M-Instruct folder: `path`, else $NANORL_SMOLLM2, else the cache; a clear error when it is missing."
-    folder = Path(path or os.environ.get(SMOLLM2_ENV) or SMOLLM2_DEFAULT).expanduser()
+    "The SmolLM2-135M-Instruct folder: `path`, else `smollm2_default()`; a clear error when it is missing."
+    folder = Path(path).expanduser() if path else smollm2_default()
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no Hugging Face model folder at {folder} (no config.json): build it with "
                                 f"`python bench/smollm2.py --out {folder}` (needs transformers and gguf), or pass "
@@ -86,13 +90,6 @@ def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
     return out
 
 # %% ../nbs/15_real.ipynb #a92fc39e
-def last_checkpoint(out_dir: str, tag: str = "smollm2") -> Path:
-    "The newest step_<N> folder the run wrote."
-    steps = sorted((Path(out_dir) / "chatrl_checkpoints" / tag).glob("step_*"), key=lambda p: int(p.name[5:]))
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint under {Path(out_dir) / 'chatrl_checkpoints' / tag}")
-    return steps[-1]
-
 def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
     "Train the real-model run of `cfg`; returns (and writes) its summary."
     t0 = time.perf_counter()
@@ -108,7 +105,7 @@ def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
              f"in {seconds / 60:.0f} min")
     summary["plot"] = str(plot_run(records, out / "real_curves.png", title, k=cfg.eval_samples, entropy=True))
     summary["answers_before"] = sample_answers(cfg.model_path, held_out, show, cfg)
-    summary["answers_after"] = sample_answers(last_checkpoint(cfg.output_dir), held_out, show, cfg)
+    summary["answers_after"] = sample_answers(run_dir(cfg, None), held_out, show, cfg)   # its newest step
     (out / "real_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
@@ -119,7 +116,7 @@ def real_parser() -> argparse.ArgumentParser:
                                 description="RL on SmolLM2-135M-Instruct (a Hugging Face folder) on CPU: one-step "
                                             "word problems, held-out pass@1 before and after.")
     p.add_argument("--model-path", default=None, help=f"the model folder (default: ${SMOLLM2_ENV}, else "
-                                                      f"{SMOLLM2_DEFAULT}; `python bench/smollm2.py` builds it)")
+                                                      f"{smollm2_default()}; `python bench/smollm2.py` builds it)")
     p.add_argument("--out-dir", default="runs/real", help="run directory: checkpoints, metrics, plots")
     p.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default 80)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate at the start (default 3e-5)")
@@ -139,8 +136,6 @@ def main(argv=None):
     given = dict(num_steps=args.num_steps, lr=args.lr, eval_examples=args.eval_examples)
     cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef,
                       **{k: v for k, v in given.items() if v is not None})
-    if cfg.num_steps < cfg.eval_every:
-        cfg = replace(cfg, eval_every=cfg.num_steps, save_every=cfg.num_steps)
     s = run_real(cfg)
     print(f"held-out pass@1 {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± {s['after_se']:.3f} "
           f"in {s['seconds'] / 60:.1f} min; curves: {s['plot']}")

@@ -457,8 +457,8 @@ def get_example(self: Arithmetic, index: int) -> dict:
     return gsm8k_conversation(p["question"], p["answer"])
 
 @patch
-def texts(self: Arithmetic) -> Iterator[str]:
-    "The rendered text of every problem, for training a tokenizer on this task."
+def texts(self: Task) -> Iterator[str]:
+    "The text of every conversation of a task (any Task: GSM8K, Arithmetic, Countdown), for training a tokenizer on it."
     for i in range(len(self)):
         yield conversation_text(self[i])
 
@@ -623,7 +623,7 @@ class Countdown(Task):
         self.problems = [r for r in rows if keep(r)]
         if assistant_prefix is not None and not isinstance(assistant_prefix, str):
             raise ValueError(f"assistant_prefix must be a str or None, got {type(assistant_prefix).__name__}")
-        self.system, self.assistant_prefix = system, assistant_prefix or None
+        self.system, self.assistant_prefix = system, assistant_prefix or ""
 
     @staticmethod
     def _generate(n, seed, keep) -> list[dict]:
@@ -645,7 +645,7 @@ def num_examples(self: Countdown) -> int:
 @patch
 def get_example(self: Countdown, index: int) -> dict:
     "The conversation of problem `index`; the assistant turn holds the reference solution when there is one."
-    p, prefix = self.problems[index], self.assistant_prefix or ""
+    p, prefix = self.problems[index], self.assistant_prefix
     solution = p.get("solution")
     answer = f"<think>{solution} = {p['target']}</think>\n<answer>{solution}</answer>" if solution else ""
     if prefix.rfind("<think>") > prefix.rfind("</think>"):       # the prefix opened the think block already
@@ -656,12 +656,6 @@ def get_example(self: Countdown, index: int) -> dict:
         messages.insert(0, {"role": "system", "content": self.system})
     conversation = {"messages": messages, "nums": list(p["nums"]), "target": p["target"]}
     return {**conversation, "assistant_prefix": prefix} if prefix else conversation
-
-@patch
-def texts(self: Countdown) -> Iterator[str]:
-    "The text of every conversation, for training a tokenizer on this task."
-    for i in range(len(self)):
-        yield conversation_text(self[i])
 
 @patch
 def evaluate(self: Countdown, conversation: dict, completion: str) -> bool:

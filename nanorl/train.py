@@ -14,7 +14,7 @@ __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SE
            'check_tasks', 'Trainer', 'train', 'param_fingerprint', 'main']
 
 # %% ../nbs/13_train.ipynb #5ba25a36
-import argparse, copy, dataclasses, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
+import argparse, copy, dataclasses, datetime, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -223,8 +223,6 @@ def config_from_args(argv=None) -> Config:
     return resolve_preset(Config(**given), explicit=given)
 
 # %% ../nbs/13_train.ipynb #df6b2a32
-import datetime
-
 def autodetect_device_type() -> str:
     "cuda if available, else mps, else cpu."
     if torch.cuda.is_available():
@@ -329,8 +327,8 @@ def shard_model(model, device, dtype):
     "Shard `model` in place over all ranks with FSDP2, each unit then the root (bf16 compute on CUDA); returns it."
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     bf16 = device.type == "cuda" and dtype == torch.bfloat16
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    mp = mp or MixedPrecisionPolicy()                                 # float32: no casts
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+          else MixedPrecisionPolicy())                                # float32: no casts
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -481,11 +479,11 @@ def step_normalizer(cfg, targets_per_pass, device, world_size):
 
 def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
     "Forward and backward every pass; returns the loss, the sampled tokens' log-prob and entropy sums, and their count."
-    loss_sum, logp_sum, entropy_sum, tokens = 0.0, 0.0, 0.0, 0
+    sums = []                                     # per pass: loss, logp and entropy sums, tokens; read once at the end
     for inputs, targets, rows in passes:
         mask = targets != -1                                                   # (b, T)
         with autocast:
-            logp, entropy = token_logp(model, inputs, targets, share_prefix=not is_sharded(model), with_entropy=True,
+            logp, entropy = token_logp(model, inputs, targets, with_entropy=True,
                                        entropy_grad=cfg.entropy_coef > 0)       # (b, T) each
         ref_logp = None
         if ref_model is not None:
@@ -496,11 +494,10 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
-        loss_sum += loss.item()
-        logp_sum += logp.detach()[mask].sum().item()
-        tokens += int(mask.sum())
-        entropy_sum += entropy.detach()[mask].sum().item()
-    return {"loss": loss_sum, "logp_sum": logp_sum, "entropy_sum": entropy_sum, "tokens": tokens}
+        sums.append(torch.stack([loss.detach().float(), logp.detach()[mask].float().sum(),
+                                 entropy.detach()[mask].float().sum(), mask.sum().float()]))
+    loss, logp, entropy, tokens = torch.stack(sums).cpu().double().sum(0).tolist() if sums else (0.0,) * 4
+    return {"loss": loss, "logp_sum": logp, "entropy_sum": entropy, "tokens": int(tokens)}
 
 # %% ../nbs/13_train.ipynb #5b266007
 def use_sparse_embedding_grads(model):
@@ -789,7 +786,8 @@ class Trainer:
         lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule)
         indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
         peaks, cuda = {}, self.device.type == "cuda"      # each phase's peak memory, logged on GPUs
-        reset_peak_memory(self.device) if cuda else None
+        if cuda:
+            reset_peak_memory(self.device)
         packed = nullcontext() if is_sharded(self.model) else packed_weights(self.model)   # FSDP: in `gathered`
         with packed:                       # the weights are fixed until the update: each matrix packed once
             batch = self.sample(step, indices)
@@ -801,7 +799,8 @@ class Trainer:
             t2 = time.perf_counter()
             stats = self.learn(batch, scores, len(indices))
         grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
-        peaks |= {"mem_train_gib": peak_memory(self.device) / 2**30} if cuda else {}
+        if cuda:
+            peaks["mem_train_gib"] = peak_memory(self.device) / 2**30
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
         return {"step": step, "lrm": lrm} | self.metrics(batch, scores, stats, grad_norm, lrm) | peaks | times
 

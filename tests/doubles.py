@@ -485,12 +485,9 @@ def gsm8k_chat_conversations(n=56, system_every=4):
 
 def smollm2_folder():
     "SmolLM2-135M-Instruct's folder (`bench/smollm2.py` builds it): $NANORL_SMOLLM2, else the builder's default."
-    import os
+    from nanorl.real import smollm2_default
 
-    if os.environ.get("NANORL_SMOLLM2"):
-        return Path(os.environ["NANORL_SMOLLM2"])
-    cache = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
-    return cache / "smollm2-135m-instruct"
+    return smollm2_default()
 
 
 # ---------------------------------------------------------------- Hugging Face runs: a model that wants one token

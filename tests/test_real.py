@@ -44,7 +44,19 @@ def test_missing_folder_is_a_clear_error(tmp_path):
     assert p.returncode != 0 and str(tmp_path / "nothing") in p.stderr and "config.json" in p.stderr
 
 
-def test_recipe_is_cpu_float32_adamw_with_flags_applied(tmp_path):
-    cfg = real_config(tmp_path, "out", num_steps=7, entropy_coef=0.01)
-    assert (cfg.model_path, cfg.num_steps, cfg.entropy_coef, cfg.device_type) == (str(tmp_path), 7, 0.01, "cpu")
-    assert cfg.examples_per_step * cfg.num_samples == 32 and cfg.dtype == "float32"
+def test_recipe_trains_the_folder_with_adamw_at_its_rate(tmp_path):
+    "real_config's run: the folder as --model-path, CPU float32, the changes applied; the trainer's optimizer for it is"
+    " one AdamW at the recipe's learning rate over every parameter."
+    from doubles import save_tiny_hf_model
+    from nanorl.train import build_optimizer, load_policy, validate
+
+    save_tiny_hf_model("llama", tmp_path / "m")
+    cfg = validate(real_config(tmp_path / "m", str(tmp_path / "out"), num_steps=7, entropy_coef=0.01))
+    assert (cfg.model_path, cfg.num_steps, cfg.entropy_coef, cfg.device_type) == (str(tmp_path / "m"), 7, 0.01, "cpu")
+    model = load_policy(cfg, "cpu", 1, 0).model
+    opt = build_optimizer(model, cfg)
+    groups = [g for o in getattr(opt, "optimizers", [opt]) for g in o.param_groups]
+    assert all(type(o).__name__ == "AdamW" for o in getattr(opt, "optimizers", [opt]))
+    assert {g["lr"] for g in groups} == {cfg.lr} and sum(len(g["params"]) for g in groups) == len(
+        list(model.parameters())
+    )

@@ -9,13 +9,15 @@ Each case saves a tiny random Hugging Face model (Llama 3 or Qwen2), loads it in
 `GRPOTrainer`, samples 2 prompts x 4 completions with nanorl's engine, cuts them to different lengths, and feeds the
 same tokens and advantages to both losses, in two passes of 4 rows, 2 of each prompt (TRL: gradient accumulation over
 2 micro-batches, whose rows it shuffles across prompts). nanorl's side is what its trainer runs: `collate`,
-`token_logp`, `count_trained`, `loss_normalizer` and `pg_loss`, one backward per pass. TRL's side is
+`step_normalizer` and `backward_passes` (`token_logp` and `pg_loss`, one backward per pass). TRL's side is
 `GRPOTrainer._compute_loss` on the inputs dict its generation step would have built.
 
 On fresh samples TRL optimizes the ratio exp(logp - logp.detach()) * advantage, whose value is the advantage (the
 ratio is 1) and whose gradient is REINFORCE's; nanorl's default optimizes logp * advantage. So the gradients of the
 two are compared as they are, and the values with nanorl's ratio form (`pg_loss(..., old_logp=logp.detach())`).
 """
+
+from contextlib import nullcontext
 
 import pytest
 
@@ -28,8 +30,9 @@ from trl import GRPOConfig, GRPOTrainer
 from doubles import gsm8k_chat_conversations, save_tiny_hf_model
 from nanorl.engine import Engine
 from nanorl.llama import ChatTokenizer, load_llama
-from nanorl.loss import count_trained, loss_normalizer, pg_loss, token_logp
+from nanorl.loss import pg_loss, token_logp
 from nanorl.rollout import collate
+from nanorl.train import Config, backward_passes, step_normalizer
 
 GROUPS, GROUP_SIZE, MAX_NEW = 2, 4, 12  # 2 prompts x 4 samples, completions of at most 12 tokens
 CUT = [12, 3, 7, 12, 5, 9, 1, 12]  # each row's completion is cut to this length: the passes differ in tokens
@@ -67,16 +70,17 @@ def nanorl_step(batch, kind, old_from=None):
         seqs = [batch["rows"][r][0] + batch["rows"][r][1] for r in rows]
         masks = [[0] * len(batch["rows"][r][0]) + [1] * len(batch["rows"][r][1]) for r in rows]
         passes.append((rows, *collate(seqs, masks, batch["pad"])))
-    counts = sum(count_trained(t != -1) for _, _, t in passes)  # (tokens, sequences) of the step
-    norm = loss_normalizer(
-        kind, num_tokens=counts[0].item(), num_sequences=counts[1].item(), num_microbatches=len(passes), max_len=MAX_NEW
-    )
+    cfg = Config(loss_norm=kind, max_new_tokens=MAX_NEW)
+    norm = step_normalizer(cfg, [t for _, _, t in passes], torch.device("cpu"), 1)
+    if old_from is None:  # the trainer's own passes
+        step = [(inputs, targets, torch.tensor(rows)) for rows, inputs, targets in passes]
+        total = backward_passes(model, step, batch["advantages"], cfg, norm, nullcontext())["loss"]
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
     total = 0.0
-    for rows, inputs, targets in passes:
+    for rows, inputs, targets in passes:  # the ratio form, which the trainer never needs (its samples are fresh)
         mask = targets != -1
         logp = token_logp(model, inputs, targets)  # (b, T)
-        old = None if old_from is None else old_from(logp.detach(), mask, rows)
-        loss = pg_loss(logp, batch["advantages"][rows], mask, kind, norm, old_logp=old)
+        loss = pg_loss(logp, batch["advantages"][rows], mask, kind, norm, old_logp=old_from(logp.detach(), mask, rows))
         loss.backward()
         total += loss.item()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
