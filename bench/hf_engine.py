@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import nanorl.fast_cpu  # noqa: F401  the CPU fast paths on, as the trainer runs them (GPT only, see README)
+import nanorl.fast_cpu  # noqa: F401  the CPU fast paths on, as the trainer runs them
 from nanorl.engine import Engine
 from nanorl.llama import ChatTokenizer, load_llama
 from nanorl.real import smollm2_default

@@ -14,15 +14,17 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 from .model import GPT, Linear, check_loss_request
+from .llama import Llama
 from .engine import Engine
 
 # %% auto #0
-__all__ = ['PLAIN', 'ONEDNN_LINEAR', 'PACK_MIN_ROWS', 'PACK_MIN_TOKENS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD',
-           'switched_off', 'PackedLinear', 'best_seconds', 'onednn_pays', 'packed_weights', 'SoftcappedNLL',
-           'softcapped_nll', 'packed_for_call', 'keep_freed_memory']
+__all__ = ['PLAIN', 'ONEDNN_LINEAR', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD',
+           'M_MMAP_THRESHOLD', 'switched_off', 'PackedLinear', 'best_seconds', 'onednn_pays', 'packed_weights',
+           'SoftcappedNLL', 'softcapped_nll', 'packed_for_call', 'keep_freed_memory']
 
 # %% ../nbs/12_fast_cpu.ipynb #2f17915a
 PLAIN = {(GPT, "forward"): GPT.forward, (Linear, "forward"): Linear.forward,  # the methods replaced below
+         (Llama, "forward"): Llama.forward, (Llama, "unembed"): Llama.unembed,
          (Engine, "decode_steps"): Engine.decode_steps}
 
 @contextmanager
@@ -46,9 +48,10 @@ def _onednn_usable(weight):
             and weight.device.type == "cpu" and weight.dtype == torch.float32)
 
 class PackedLinear:
-    "x @ W.T with W (out, in) reordered once for oneDNN (float32 on a CPU, no gradient); F.linear otherwise."
-    def __init__(self, weight: torch.Tensor):
+    "x @ W.T + b with W (out, in) reordered once for oneDNN (float32 on a CPU, no gradient); F.linear otherwise."
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.packed = weight.detach(), None                       # valid until the weight changes
+        self.bias = None if bias is None else bias.detach()
         if _onednn_usable(self.weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
@@ -60,12 +63,12 @@ class PackedLinear:
         plain = (self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
                  or (torch.is_grad_enabled() and x.requires_grad))
         if plain:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         try:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         except RuntimeError:                                                    # refused when called: F.linear from now
             self.packed = None
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
 
 # %% ../nbs/12_fast_cpu.ipynb #186ecc0c
 def best_seconds(fn, repeats=5, calls=3):
@@ -100,10 +103,10 @@ Linear.pack = None  # a Linear's PackedLinear inside `packed_weights`
 
 @patch
 def forward(self: Linear, x):
-    "x @ W.T: through the packed copy inside `packed_weights` where no gradient is wanted, else `F.linear`."
+    "x @ W.T + b: through the packed copy inside `packed_weights` where no gradient is wanted, else `F.linear`."
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
     if self.pack is None or wants_grad:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
     return self.pack(x)
 
 @patch
@@ -112,21 +115,21 @@ def __getstate__(self: Linear):
     return {**self.__dict__, "pack": None}
 
 @contextmanager
-def packed_weights(model: GPT):
+def packed_weights(model: GPT | Llama):
     "A block in which the weight matrices and the head, called without a gradient, use copies packed on entry."
     opened = [m for m in model.modules() if isinstance(m, Linear) and m.pack is None]  # an outer block's copies stay
     for m in opened:
         weight = m.weight[: model.config.vocab_size] if m is model.lm_head else m.weight
         on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         if on_cpu and (m is model.lm_head or onednn_pays(*weight.shape)):        # else F.linear, as outside a block
-            m.pack = PackedLinear(weight)                                       # the head: decode steps always pay
+            m.pack = PackedLinear(weight, m.bias)                               # the head: decode steps always pay
     try:
         yield model
     finally:
         for m in opened:
             m.pack = None
 
-GPT.packed_weights = packed_weights  # `with model.packed_weights():` works too
+GPT.packed_weights = Llama.packed_weights = packed_weights  # `with model.packed_weights():` works too
 
 # %% ../nbs/12_fast_cpu.ipynb #69f46186
 PACK_MIN_ROWS = 64  # fewer rows than this: reordering the head for oneDNN costs more than it saves
@@ -141,6 +144,13 @@ def _head_product(weight, packed, n_rows):
 
 
 # %% ../nbs/12_fast_cpu.ipynb #0f4dc901
+def _logits_grad(g, u, out):
+    "out = g * d logits / d z: g itself without a softcap (u None), else a quarter of it, g u (1 - u)."
+    if u is None:
+        out.copy_(g)
+    else:
+        torch.ops.aten.sigmoid_backward.grad_input(g, u, grad_input=out)
+
 class SoftcappedNLL(torch.autograd.Function):
     "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, the gradients formed in the forward."
     @staticmethod
@@ -148,16 +158,24 @@ class SoftcappedNLL(torch.autograd.Function):
         "nll (N,) and entropy (N,) for h (N, d), weight (V, d), targets (N,), `chunk_rows` rows at a time."
         N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
         head = _head_product(weight, packed, N)
-        nll, entropy, dz, de = [], [], None, None        # dz, de (N, V): a quarter of d nll / dz, of d entropy / dz
+        nll, entropy, dz, de = [], [], None, None        # dz, de (N, V): d nll / dz, d H / dz (a quarter if capped)
         for s in range(0, N, chunk_rows):
             z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
-            u = z.to(torch.promote_types(z.dtype, torch.float32)).mul_(2 / softcap).sigmoid_()  # (n, V): tanh = 2u - 1
-            logits = u * (2 * softcap)                                          # (n, V): softcapped logits + softcap
+            z32 = z.to(torch.promote_types(z.dtype, torch.float32))             # (n, V)
+            if softcap is None:                                                 # no cap (Llama, Qwen)
+                u, logits = None, z32
+            else:
+                u = z32.mul_(2 / softcap).sigmoid_()                            # (n, V): tanh = 2u - 1
+                logits = u * (2 * softcap)                                      # (n, V): softcapped logits + softcap
             p = torch.softmax(logits, dim=-1)                                   # (n, V)
             tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
-            p_tgt = p.gather(1, tgt)                                            # (n, 1)
-            nll.append(-p_tgt.log().squeeze(1))
-            lse = nll[-1] + logits.gather(1, tgt).squeeze(1)                    # (n,) logsumexp of the logits
+            p_tgt, logit_tgt = p.gather(1, tgt), logits.gather(1, tgt).squeeze(1)   # (n, 1), (n,)
+            if softcap is None:                                                 # uncapped, p[target] may underflow
+                lse = torch.logsumexp(logits, dim=-1)                           # (n,)
+                nll.append(lse - logit_tgt)
+            else:                                                               # capped: p >= exp(-2 softcap) / V
+                nll.append(-p_tgt.log().squeeze(1))
+                lse = nll[-1] + logit_tgt                                       # (n,) logsumexp of the logits
             entropy.append((lse - torch.linalg.vecdot(p, logits)).clamp_(min=0))
             if not needs_grad:
                 continue
@@ -166,9 +184,10 @@ class SoftcappedNLL(torch.autograd.Function):
                 de = torch.empty_like(dz) if entropy_grad else None
             if entropy_grad:                                                    # d H / d logits = -p (log p + H)
                 g = (logits - lse[:, None]).add_(entropy[-1][:, None]).mul_(p).neg_()   # (n, V)
-                torch.ops.aten.sigmoid_backward.grad_input(g, u, grad_input=de[s:s + chunk_rows])
+                _logits_grad(g, u, de[s:s + chunk_rows])
             p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
-            torch.ops.aten.sigmoid_backward.grad_input(p, u, grad_input=dz[s:s + chunk_rows])  # (p - onehot) u (1 - u)
+            _logits_grad(p, u, dz[s:s + chunk_rows])
+        ctx.scale = 1.0 if softcap is None else 4.0                             # 4: capped, dz holds a quarter
         if needs_grad:
             if dz is None:                                                      # no rows at all
                 dz = h.new_zeros(0, weight.shape[0])
@@ -189,7 +208,7 @@ class SoftcappedNLL(torch.autograd.Function):
         if de.numel() and grad_entropy is not None:                             # one (N, V) gradient of both outputs
             dz = (dz * grad_nll[:, None] + de * grad_entropy[:, None]).to(dz.dtype)
             grad_nll = torch.ones_like(grad_nll)
-        g = 4 * grad_nll[:, None]                                               # (N, 1); 4: dz holds a quarter
+        g = ctx.scale * grad_nll[:, None]                                       # (N, 1)
         grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
         grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
         return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None, None, None
@@ -198,13 +217,14 @@ class SoftcappedNLL(torch.autograd.Function):
 # %% ../nbs/12_fast_cpu.ipynb #c708dc9a
 def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False, packed=None,
                    entropy_grad=False):
-    "-log p(target) (N,) for h (N, d), head weight (V, d), targets (N,); with_entropy also the entropies (N,)."
+    "-log p(target) (N,) for h (N, d), head weight (V, d), targets (N,), softcap or None; with_entropy the entropies."
     if h.ndim != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
     if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
         budget = 2**22 if h.device.type == "cpu" else 2**28
         chunk_rows = max(1, budget // weight.shape[0])
-    nll, entropy = SoftcappedNLL.apply(h, weight, targets, float(softcap), int(chunk_rows), packed,  # packed: W's copy
+    softcap = None if softcap is None else float(softcap)
+    nll, entropy = SoftcappedNLL.apply(h, weight, targets, softcap, int(chunk_rows), packed,  # packed: W's copy
                                        bool(entropy_grad))
     return (nll, entropy) if with_entropy else nll
 
@@ -214,7 +234,7 @@ def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=Fa
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
             entropy_grad=False):
     "The plain forward, but a loss unembeds only the trained positions, through `softcapped_nll`."
-    if targets is None:
+    if targets is None:                                                         # GPT's and Llama's are one function
         return PLAIN[GPT, "forward"](self, idx, None, kv_cache, loss_reduction, with_entropy)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
@@ -235,12 +255,24 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
         return loss
     return loss, entropy.new_zeros(flat_targets.shape[0]).index_copy(0, keep, entropy)  # (B*T,)
 
+Llama.forward = GPT.forward  # softcap None: the plain cross-entropy, fused the same way
+
+HEAD_AS_WHT_ROWS = 128  # CPU decode steps up to this many rows: the head as W @ h.T, faster than F.linear in MKL
+
+@patch
+def unembed(self: Llama, h, softcap=True):
+    "Llama's logits through the head's packed copy; without one, a few CPU rows as (W @ h.T).T, not F.linear."
+    few_rows = h.ndim == 2 and h.size(0) <= HEAD_AS_WHT_ROWS and h.device.type == "cpu"
+    if self.lm_head.pack is None and few_rows:
+        return (self.lm_head.weight @ h.T).T.float()          # (b, V), a transposed view: same values, less time
+    return PLAIN[Llama, "unembed"](self, h, softcap)
+
 # %% ../nbs/12_fast_cpu.ipynb #ff62ce8b
 PACK_MIN_TOKENS = 8  # shorter generate calls: packing the weights costs more than it saves
 
 def packed_for_call(model, max_tokens):
-    "A `packed_weights` block for a GPT's generate call of PACK_MIN_TOKENS tokens or more, else nothing."
-    if isinstance(model, GPT) and max_tokens >= PACK_MIN_TOKENS:
+    "A `packed_weights` block for a model's generate call of PACK_MIN_TOKENS tokens or more, else nothing."
+    if isinstance(model, (GPT, Llama)) and max_tokens >= PACK_MIN_TOKENS:
         return packed_weights(model)
     return nullcontext()
 

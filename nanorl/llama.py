@@ -20,16 +20,16 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import model as gpt
-from .model import KVCache, apply_rotary, attention_mask
+from .model import KVCache, Linear, apply_rotary, attention_mask
 from .tokenizer import MaskView, Tokenizer
 
 # %% auto #0
-__all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'HEAD_AS_WHT_ROWS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE',
-           'SPECIAL_TOKEN_KEYS', 'NANOCHAT_TOOL_TOKENS', 'Llama3Scaling', 'DecoderConfig', 'rope_settings',
-           'config_from_dict', 'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention', 'SwiGLU', 'DecoderLayer',
-           'Llama', 'safetensors_files', 'read_weights', 'check_weights', 'load_llama', 'template_tojson',
-           'template_raise', 'template_strftime', 'compile_chat_template', 'message_text', 'template_messages',
-           'read_json', 'token_text', 'find_chat_template', 'id_list', 'ChatTokenizer']
+__all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE', 'SPECIAL_TOKEN_KEYS',
+           'NANOCHAT_TOOL_TOKENS', 'Llama3Scaling', 'DecoderConfig', 'rope_settings', 'config_from_dict', 'RMSNorm',
+           'rope_inv_freq', 'rope_tables', 'Attention', 'SwiGLU', 'DecoderLayer', 'Llama', 'safetensors_files',
+           'read_weights', 'check_weights', 'load_llama', 'template_tojson', 'template_raise', 'template_strftime',
+           'compile_chat_template', 'message_text', 'template_messages', 'read_json', 'token_text',
+           'find_chat_template', 'id_list', 'ChatTokenizer']
 
 # %% ../nbs/03_llama.ipynb #0f6770e4
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -177,10 +177,10 @@ class Attention(nn.Module):
         d, hd = config.hidden_size, config.head_dim
         self.layer_idx, self.head_dim = layer_idx, hd
         self.n_head, self.n_kv_head = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(d, self.n_head * hd, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_head * hd, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_head * hd, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.n_head * hd, d, bias=config.o_proj_bias)
+        self.q_proj = Linear(d, self.n_head * hd, bias=config.attention_bias)
+        self.k_proj = Linear(d, self.n_kv_head * hd, bias=config.attention_bias)
+        self.v_proj = Linear(d, self.n_kv_head * hd, bias=config.attention_bias)
+        self.o_proj = Linear(self.n_head * hd, d, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
 
@@ -214,9 +214,9 @@ class SwiGLU(nn.Module):
     def __init__(self, config):
         super().__init__()
         d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(d, h, bias=bias)
-        self.up_proj = nn.Linear(d, h, bias=bias)
-        self.down_proj = nn.Linear(h, d, bias=bias)
+        self.gate_proj = Linear(d, h, bias=bias)
+        self.up_proj = Linear(d, h, bias=bias)
+        self.down_proj = Linear(h, d, bias=bias)
 
     def forward(self, x):
         "(B, T, d) -> (B, T, d)."
@@ -246,7 +246,7 @@ class Llama(nn.Module):
         layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(V, d), layers=layers,
                                         norm=RMSNorm(d, config.rms_norm_eps)))
-        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head = Linear(d, V, bias=False)
         self.softcap = None                      # no logit softcap in these families
         self.rotary_len = config.max_position_embeddings
         self.tie_weights()
@@ -303,13 +303,9 @@ def hidden(self: Llama, idx, kv_cache=None):
         kv_cache.cache_seqlens += T
     return self.model.norm(x)
 
-HEAD_AS_WHT_ROWS = 128  # CPU decode steps up to this many rows: the head as W @ h.T, faster than F.linear in MKL
-
 @patch
 def unembed(self: Llama, h, softcap=True):
     "float32 logits (..., vocab_size) from hidden states h (..., hidden_size); no softcap, whatever `softcap` says."
-    if h.ndim == 2 and h.size(0) <= HEAD_AS_WHT_ROWS and h.device.type == "cpu":
-        return (self.lm_head.weight @ h.T).T.float()          # (b, V), a transposed view: same values, less time
     return self.lm_head(h).float()
 
 @patch

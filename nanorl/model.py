@@ -127,9 +127,9 @@ def attention_mask(q_pos, k_len, window):
 
 # %% ../nbs/02_model.ipynb #3e6d1572
 class Linear(nn.Linear):
-    "nn.Linear without a bias: the model's weight matrices, under nanochat's parameter names."
-    def __init__(self, in_features, out_features):
-        super().__init__(in_features, out_features, bias=False)
+    "nn.Linear, without a bias unless asked: the model's weight matrices, under nanochat's parameter names."
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__(in_features, out_features, bias=bias)
 
 
 # %% ../nbs/02_model.ipynb #1c9920d6

@@ -328,8 +328,15 @@ def tool_bias(tok):
 # ---------------------------------------------------------------- Hugging Face chat models: tiny transformers folders
 
 CHAT_TEMPLATES = FIXTURES / "chat_templates"  # real templates (see fixtures/chat_templates/README.md)
+# The pre-tokenizers' split patterns of the real tokenizer.json files: digits one by one (Qwen2/2.5/3), up to three
+# (Llama 3); the pieces are then byte-level encoded without a second regex.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
 HF_FAMILIES = {  # special tokens as the real tokenizers name them; bos/eos/pad as their tokenizer_config.json sets them
     "qwen": dict(
+        split=QWEN2_SPLIT,
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         bos=None,
         eos="<|im_end|>",
@@ -338,6 +345,7 @@ HF_FAMILIES = {  # special tokens as the real tokenizers name them; bos/eos/pad 
         stops=["<|im_end|>", "<|endoftext|>"],
     ),
     "llama3": dict(
+        split=LLAMA3_SPLIT,
         specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         bos="<|begin_of_text|>",
         eos="<|eot_id|>",
@@ -360,13 +368,16 @@ def gsm8k_corpus():
 
 
 def tiny_hf_tokenizer(family, vocab_size=600):
-    "A transformers tokenizer: byte-level BPE trained on the GSM8K fixtures, the family's specials and real template."
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    "A transformers tokenizer: byte-level BPE trained on GSM8K fixtures, the family's split, specials and template."
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     fam = HF_FAMILIES[family]
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.pre_tokenizer = pre_tokenizers.Sequence([  # as the real files: the family's regex split, then bytes
+        pre_tokenizers.Split(Regex(fam["split"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -335,6 +335,17 @@ def test_special_tokens_and_encode(chat_folders):
     assert qwen.get_stop_token_ids() == sorted({qwen.encode_special("<|im_end|>"), qwen.get_bos_token_id()})
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_folder_ids_match_transformers(folders, kind):
+    "Digits split as the family splits them, and the same ids as transformers' tokenizer of the model folder."
+    folder, _ = folders[kind]
+    ours, hf_tok = ChatTokenizer.from_directory(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    text = "Natalia sold 48 clips in April, 1234567 in May: $2.50 each, 3/4 of 120 = 90."
+    assert ours.encode(text) == hf_tok.encode(text, add_special_tokens=False)
+    pieces = [piece for piece, _ in ours.tk.pre_tokenizer.pre_tokenize_str("1234567")]
+    assert pieces == (["123", "456", "7"] if kind == "llama" else list("1234567"))  # Llama 3: up to 3 digits; Qwen: 1
+
+
 def test_chat_errors(chat_folders, tmp_path):
     "No template, a template without a generation prompt, a rendering beyond max_position_embeddings."
     folder = shutil.copytree(chat_folders["qwen"][0], tmp_path / "tok")

@@ -118,7 +118,7 @@ def analytic_entropy_head_grad(model, inputs, mask, scale):
 @pytest.mark.parametrize("family", ["nanochat", "llama"])
 @pytest.mark.parametrize("coef", [0.0, 0.05])
 def test_entropy_bonus_gradient_is_analytic(family, coef, tmp_path):
-    "Training the entropy bonus alone (zero advantages) through the trainer's passes: the head's gradient is the formula."
+    "The entropy bonus alone (zero advantages) through the trainer's passes: the head's gradient is the formula."
     if family == "nanochat":
         model = load_fixture_model("head")  # softcapped, through the CPU fast paths (nanorl.train imports them)
     else:
