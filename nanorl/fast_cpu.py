@@ -29,7 +29,7 @@ PLAIN = {(GPT, "forward"): GPT.forward, (Linear, "forward"): Linear.forward,  # 
 
 @contextmanager
 def switched_off():
-    "A block that runs the plain methods of notebooks 02 and 06; the fast ones come back on exit."
+    "A block that runs the plain methods of notebooks 02, 03 and 06; the fast ones come back on exit."
     fast = {key: getattr(*key) for key in PLAIN}
     for (cls, name), method in PLAIN.items():
         setattr(cls, name, method)
@@ -104,7 +104,8 @@ Linear.pack = None  # a Linear's PackedLinear inside `packed_weights`
 @patch
 def forward(self: Linear, x):
     "x @ W.T + b: through the packed copy inside `packed_weights` where no gradient is wanted, else `F.linear`."
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+    params_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or params_grad)
     if self.pack is None or wants_grad:
         return F.linear(x, self.weight, self.bias)
     return self.pack(x)
@@ -151,8 +152,18 @@ def _logits_grad(g, u, out):
     else:
         torch.ops.aten.sigmoid_backward.grad_input(g, u, grad_input=out)
 
+def _chunk_softmax(z, softcap):
+    "(u, logits, p, lse) of head products z (n, V): sigmoid (None uncapped), logits, softmax, logsumexp (n,) or None."
+    z = z.to(torch.promote_types(z.dtype, torch.float32))                       # (n, V)
+    if softcap is None:                                                         # uncapped (Llama, Qwen)
+        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)                     # (n, V): logits shifted to log p
+        return None, logp, logp.exp(), logp.new_zeros(logp.shape[0])           # their logsumexp: 0
+    u = z.mul_(2 / softcap).sigmoid_()                                          # (n, V): tanh = 2u - 1
+    logits = u * (2 * softcap)                                                  # (n, V): softcapped logits + softcap
+    return u, logits, torch.softmax(logits, dim=-1), None
+
 class SoftcappedNLL(torch.autograd.Function):
-    "-log softmax(softcap * tanh(h @ W.T / softcap))[target] and the entropy, the gradients formed in the forward."
+    "-log softmax(softcap * tanh(h @ W.T / softcap))[target] (softcap None: of h @ W.T) and the entropy, grads formed."
     @staticmethod
     def forward(ctx, h, weight, targets, softcap, chunk_rows, packed, entropy_grad=False):
         "nll (N,) and entropy (N,) for h (N, d), weight (V, d), targets (N,), `chunk_rows` rows at a time."
@@ -161,21 +172,14 @@ class SoftcappedNLL(torch.autograd.Function):
         nll, entropy, dz, de = [], [], None, None        # dz, de (N, V): d nll / dz, d H / dz (a quarter if capped)
         for s in range(0, N, chunk_rows):
             z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
-            z32 = z.to(torch.promote_types(z.dtype, torch.float32))             # (n, V)
-            if softcap is None:                                                 # no cap (Llama, Qwen)
-                u, logits = None, z32
-            else:
-                u = z32.mul_(2 / softcap).sigmoid_()                            # (n, V): tanh = 2u - 1
-                logits = u * (2 * softcap)                                      # (n, V): softcapped logits + softcap
-            p = torch.softmax(logits, dim=-1)                                   # (n, V)
+            u, logits, p, lse = _chunk_softmax(z, softcap)                      # (n, V) x 3, (n,) or None
             tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
             p_tgt, logit_tgt = p.gather(1, tgt), logits.gather(1, tgt).squeeze(1)   # (n, 1), (n,)
-            if softcap is None:                                                 # uncapped, p[target] may underflow
-                lse = torch.logsumexp(logits, dim=-1)                           # (n,)
-                nll.append(lse - logit_tgt)
-            else:                                                               # capped: p >= exp(-2 softcap) / V
+            if lse is None:                                                     # capped: p >= exp(-2 softcap) / V
                 nll.append(-p_tgt.log().squeeze(1))
                 lse = nll[-1] + logit_tgt                                       # (n,) logsumexp of the logits
+            else:                                                               # uncapped: p[target] may underflow
+                nll.append(lse - logit_tgt)
             entropy.append((lse - torch.linalg.vecdot(p, logits)).clamp_(min=0))
             if not needs_grad:
                 continue
@@ -234,7 +238,7 @@ def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=Fa
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
             entropy_grad=False):
     "The plain forward, but a loss unembeds only the trained positions, through `softcapped_nll`."
-    if targets is None:                                                         # GPT's and Llama's are one function
+    if targets is None:                                                         # the plain forward, Llama's too
         return PLAIN[GPT, "forward"](self, idx, None, kv_cache, loss_reduction, with_entropy)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
@@ -263,7 +267,8 @@ HEAD_AS_WHT_ROWS = 128  # CPU decode steps up to this many rows: the head as W @
 def unembed(self: Llama, h, softcap=True):
     "Llama's logits through the head's packed copy; without one, a few CPU rows as (W @ h.T).T, not F.linear."
     few_rows = h.ndim == 2 and h.size(0) <= HEAD_AS_WHT_ROWS and h.device.type == "cpu"
-    if self.lm_head.pack is None and few_rows:
+    pack = self.lm_head.pack                                                    # None, or refused by oneDNN: no copy
+    if (pack is None or pack.packed is None) and few_rows:
         return (self.lm_head.weight @ h.T).T.float()          # (b, V), a transposed view: same values, less time
     return PLAIN[Llama, "unembed"](self, h, softcap)
 

@@ -127,7 +127,7 @@ def attention_mask(q_pos, k_len, window):
 
 # %% ../nbs/02_model.ipynb #3e6d1572
 class Linear(nn.Linear):
-    "nn.Linear, without a bias unless asked: the model's weight matrices, under nanochat's parameter names."
+    "nn.Linear, without a bias unless asked: the weight matrices of both model families, under nn.Linear's names."
     def __init__(self, in_features, out_features, bias=False):
         super().__init__(in_features, out_features, bias=bias)
 

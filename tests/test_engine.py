@@ -297,7 +297,10 @@ def test_packed_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch
     with torch.no_grad():
         assert torch.allclose(packed, model.unembed(h, softcap=False), atol=1e-4)
     packs, real = [], fast_cpu.PackedLinear
-    count = lambda weight, *bias: packs.append(tuple(weight.shape)) or real(weight, *bias)  # noqa: E731
+    def count(weight, bias=None):
+        packs.append(tuple(weight.shape))
+        return real(weight, bias)
+
     monkeypatch.setattr(fast_cpu, "PackedLinear", count)
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
     eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS - 1, seed=1)
