@@ -14,13 +14,17 @@ __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SE
            'check_tasks', 'Trainer', 'train', 'param_fingerprint', 'main']
 
 # %% ../nbs/13_train.ipynb #5ba25a36
-import argparse, copy, dataclasses, datetime, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
-from contextlib import nullcontext
+import argparse, copy, ctypes, dataclasses, datetime, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm.auto import tqdm
 
 from fastcore.basics import patch
@@ -30,7 +34,7 @@ from .rollout import (Rollout, Sampling, Scores, collate, halve_after_oom, micro
 from .checkpoint import (CheckpointError, checkpoint_steps, get_base_dir, hf_checkpoint_steps, load_checkpoint,
                                load_hf_model, load_model, load_resume_state, save_checkpoint, save_hf_step)
 from .llama import Llama
-from .model import fast_matmul_dtype
+from .model import Muon, MultiOptimizer, fast_matmul_dtype
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
@@ -305,13 +309,6 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     return dict(zip(keys, t.tolist()))
 
 # %% ../nbs/13_train.ipynb #8b9fcb79
-from contextlib import contextmanager
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from .model import Muon, MultiOptimizer
-
 def is_sharded(model) -> bool:
     "Whether FSDP2 shards `model`: its parameters are then DTensors, each rank holding a slice of the rows."
     return isinstance(model, FSDPModule)
@@ -424,8 +421,6 @@ def sharded_optim_state(optimizer, state: dict) -> dict:
 
 
 # %% ../nbs/13_train.ipynb #111fce9f
-import ctypes
-
 def held_bytes(model, optimizer) -> dict:
     "Bytes this rank holds in parameters, gradients and optimizer state (a sharded tensor: its local slice)."
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t

@@ -40,6 +40,14 @@ def checkpoints_of(base):
     return base / "chatrl_checkpoints" / "d3"
 
 
+def step_files(step, ranks):
+    "The files of one complete nanochat-layout checkpoint written by `ranks` ranks."
+    tag = f"{step:06d}"
+    return {f"model_{tag}.pt", f"meta_{tag}.json", f"optim_{tag}_rank0.pt"} | {
+        f"resume_{tag}_rank{r}.pt" for r in range(ranks)
+    }
+
+
 def records(base, drop_timing=False):
     "The run's metrics.jsonl records (with drop_timing, without the t_* fields that differ between runs)."
     recs = [json.loads(line) for line in (checkpoints_of(base) / "metrics.jsonl").read_text().splitlines()]
@@ -153,6 +161,19 @@ class ToyTokenizer:
 
     def decode(self, ids):
         return "".join(str(i) for i in ids)
+
+
+class CharTokenizer:
+    "Ids are characters' code points; every conversation's prompt is [0]."
+
+    def render_for_completion(self, conversation):
+        return [0]
+
+    def encode(self, text):
+        return list(map(ord, text))
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
 
 
 class ToyTask:

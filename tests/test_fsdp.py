@@ -1,12 +1,12 @@
 """--fsdp: the same run as DDP, checkpoints nanochat and transformers load, exact resume after SIGKILL, half memory."""
 
-import json, os, signal, subprocess, sys
+import json, os, shutil, signal, subprocess, sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from doubles import base_dir, checkpoints_of, records, save_tiny_hf_model, small_run
+from doubles import base_dir, checkpoints_of, records, save_tiny_hf_model, small_run, step_files
 from nanorl.checkpoint import load_model
 from nanorl.train import Config, validate
 from test_reliability import (
@@ -82,13 +82,7 @@ def test_fsdp_is_ddp_without_the_shared_prompt(fsdp_run, tmp_path):
 def test_fsdp_checkpoint_is_nanochats_layout(fsdp_run):
     "The sharded run's checkpoint: nanochat's files, written once, whole tensors that load_model reads."
     ckpt = checkpoints_of(fsdp_run)
-    assert {p.name for p in ckpt.glob("*_000005*")} == {
-        "model_000005.pt",
-        "meta_000005.json",
-        "optim_000005_rank0.pt",
-        "resume_000005_rank0.pt",
-        "resume_000005_rank1.pt",
-    }
+    assert {p.name for p in ckpt.glob("*_000005*")} == step_files(5, ranks=2)
     model, _, meta = load_model("rl", "cpu", base_dir=fsdp_run)
     assert meta["nanorl"]["step"] == 5
     saved = torch.load(ckpt / "model_000005.pt", weights_only=True)
@@ -130,14 +124,17 @@ def test_sigkill_then_resume_under_fsdp(fsdp_run, tmp_path):
     assert [r["step"] for r in records(cut)] == list(range(6))
 
 
+def copy_without(run, dest, pattern):
+    "A copy of the run directory `run` at `dest`, its checkpoint files matching `pattern` removed."
+    shutil.copytree(run, dest)
+    for f in checkpoints_of(dest).glob(pattern):
+        f.unlink()
+    return dest
+
+
 def test_resume_on_fewer_ranks_continues(fsdp_run, tmp_path):
     "The 2-rank sharded run cut after step 4 and resumed on 1 rank: the same last step, up to the ranks' rounding."
-    import shutil
-
-    base = tmp_path / "one"
-    shutil.copytree(fsdp_run, base)
-    for f in checkpoints_of(base).glob("*_000005*"):
-        f.unlink()
+    base = copy_without(fsdp_run, tmp_path / "one", "*_000005*")
     p = check(
         subprocess.run(
             train_cmd(base, *STEPS, "--fsdp", "--resume"), env=ENV, capture_output=True, text=True, timeout=300
@@ -152,12 +149,7 @@ def test_resume_on_fewer_ranks_continues(fsdp_run, tmp_path):
 
 def test_resume_on_more_ranks_is_refused(fsdp_run, tmp_path):
     "A checkpoint of 1 rank resumed on 2: a clear error naming the number of ranks that wrote it."
-    import shutil
-
-    base = tmp_path / "copy"
-    shutil.copytree(fsdp_run, base)
-    for f in checkpoints_of(base).glob("resume_*_rank1.pt"):
-        f.unlink()
+    base = copy_without(fsdp_run, tmp_path / "copy", "resume_*_rank1.pt")
     launcher = TWO_RANKS + ["-m", "nanorl.train"]
     p = subprocess.run(
         train_cmd(base, *STEPS, "--fsdp", "--resume", launcher=launcher),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nanorl.train as T
-from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, weights
+from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
 from nanorl.checkpoint import load_model
 from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
 
@@ -53,13 +53,7 @@ def test_two_ranks_train_and_agree(tmp_path):
     assert any(0 < r["reward"] < 1 for r in recs), "the toy reward should vary within groups"
     assert "pass@1" in recs[0] and "pass@1" in recs[-1]
     ckpt = base / "chatrl_checkpoints" / "d3"
-    assert {p.name for p in ckpt.glob("*_000002*")} == {
-        "model_000002.pt",
-        "meta_000002.json",
-        "optim_000002_rank0.pt",
-        "resume_000002_rank0.pt",
-        "resume_000002_rank1.pt",
-    }
+    assert {p.name for p in ckpt.glob("*_000002*")} == step_files(2, ranks=2)
     model, tok, meta = load_model("rl", "cpu", base_dir=base)
     assert meta["nanorl"]["step"] == 2
     assert set(json.loads((ckpt / "meta_000002.json").read_text())["model_config"]) == {
