@@ -45,8 +45,7 @@ def test_missing_folder_is_a_clear_error(tmp_path):
 
 
 def test_recipe_trains_the_folder_with_adamw_at_its_rate(tmp_path):
-    "real_config's run: the folder as --model-path, CPU float32, the changes applied; the trainer's optimizer for it is"
-    " one AdamW at the recipe's learning rate over every parameter."
+    "real_config's run: the folder as --model-path, the changes applied; one AdamW at its rate over every parameter."
     from doubles import save_tiny_hf_model
     from nanorl.train import build_optimizer, load_policy, validate
 
