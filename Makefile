@@ -8,6 +8,11 @@ CONSTRAINTS ?= constraints.txt
 STAMP := $(VENV)/.nanorl-installed
 OFFLINE := HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 SNAPSHOT = find nanorl nbs -maxdepth 1 -type f \( -name '*.py' -o -name '*.ipynb' \) -print0 | sort -z | xargs -0 md5sum
+# On a CPU with AVX-512 the tests marked `numerics` (tests/conftest.py: comparisons whose rounding depends on the CPU's
+# kernels) run a second time on its AVX2 kernels, so that both instruction sets are tried where the machine has both
+CPUINFO ?= /proc/cpuinfo
+AVX512 := $(shell grep -m1 '^flags' $(CPUINFO) 2>/dev/null | grep -ow avx512f)
+AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
 .PHONY: setup demo real test export readme lab
 
@@ -27,7 +32,7 @@ real: $(STAMP)  ## RL on SmolLM2-135M-Instruct (a real chat model) on CPU, about
 	$(BIN)/python bench/smollm2.py
 	$(BIN)/python -m nanorl.real
 
-test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest
+test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest (numerics on AVX2 too)
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_export; \
 	 if [ "$$before" != "$$($(SNAPSHOT))" ]; then \
 	   echo "FAIL: nbdev_export changed nanorl/: the library is out of sync with nbs/ (edit the notebooks, then run nbdev_export)"; exit 1; fi
@@ -37,6 +42,12 @@ test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tes
 	$(OFFLINE) $(BIN)/nbdev_test --n_workers 2 --timing
 	@$(OFFLINE) $(BIN)/python -m pytest tests/ -q -p no:cacheprovider; rc=$$?; \
 	 if [ $$rc = 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+ifneq ($(AVX512),)
+	@echo "AVX-512 CPU: the numerics tests again on its AVX2 kernels ($(AVX2_KERNELS))"
+	@$(OFFLINE) $(AVX2_KERNELS) $(BIN)/python -m pytest tests/ -m numerics -q -p no:cacheprovider
+else
+	@echo "no AVX-512 on this CPU: the second pass of the numerics tests (on AVX2 kernels) is skipped, the machine has only one instruction set"
+endif
 
 export:  ## notebooks -> nanorl/, then clean the notebooks
 	$(BIN)/nbdev_export && $(BIN)/nbdev_clean

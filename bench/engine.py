@@ -14,7 +14,7 @@ Without it, nanorl's own workloads (float32, random nanochat-shaped models, voca
 min_new_tokens=128 suppresses <|assistant_end|>/<|bos|> so every row runs all 128 tokens on every side.
 """
 
-import argparse, json, platform, statistics, subprocess, sys, time
+import argparse, json, statistics, subprocess, sys, time
 from datetime import datetime, timezone
 from pathlib import Path
 import torch
@@ -215,8 +215,7 @@ def main():
         return vs_nanochat(args)
     torch.set_num_threads(args.threads)
     print(
-        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, "
+        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_label()} | "
         f"{args.threads} threads, float32, best of {args.repeats}"
     )
     for depth in args.depths:

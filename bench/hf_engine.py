@@ -17,8 +17,6 @@ one process (ours, theirs, ours, theirs, ...); each run is printed, and the tabl
 import argparse
 import json
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -34,27 +32,14 @@ from nanorl.llama import ChatTokenizer, load_llama
 from nanorl.real import smollm2_default
 from nanorl.tasks import GSM8K
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nanochat_peer import cpu_label  # noqa: E402  the CPU kind, as every benchmark here prints it
+
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K_FILES = (
     ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl",
     ROOT / "tests" / "fixtures" / "gsm8k" / "test.jsonl",
 )
-
-
-def machine() -> str:
-    "CPU model, cores, the vector features that pick the kernels, torch version."
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
-        fam = re.search(r"cpu family\s*:\s*(\d+)", info).group(1)
-        model = re.search(r"model\s*:\s*(\d+)", info).group(1)
-        name = f"{name} (family {fam} model {model})"
-        flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-    except (OSError, AttributeError):
-        pass
-    feats = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name}, {os.cpu_count()} cores, {'/'.join(feats) or 'flags unknown'}, torch {torch.__version__}"
 
 
 def gsm8k_task():
@@ -197,7 +182,7 @@ def main(argv=None):
     task, source = gsm8k_task()
     prompts = [tok.render_for_completion(task[i]) for i in range(args.prompts)]
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"# {now} | {machine()} | {args.threads} threads | {folder.name} | GSM8K from {source.name}", flush=True)
+    print(f"# {now} | {cpu_label()} | {args.threads} threads | {folder.name} | GSM8K from {source.name}", flush=True)
     print(f"# prompt lengths {[len(p) for p in prompts]}", flush=True)
     rows, S, N = [], args.samples, args.tokens
     if "single" in args.only:
@@ -229,7 +214,7 @@ def main(argv=None):
             "s",
         )
         rows.append(summary(f"forward + backward, {inputs.shape[0]} x {inputs.shape[1]} tokens", a, b, "s"))
-    print(f"\n{now}, {machine()}, {args.threads} threads; median [min-max]\n")
+    print(f"\n{now}, {cpu_label()}, {args.threads} threads; median [min-max]\n")
     print("| workload | nanorl | transformers | nanorl speed-up |\n|---|---|---|---|")
     print("\n".join(rows))
 

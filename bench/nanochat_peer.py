@@ -131,14 +131,26 @@ def base_dir(args, depth=4) -> Path:
     return base
 
 
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what picks torch's CPU kernels
+
+
 def cpu_label() -> str:
-    "The CPU's model name and the vector/bf16 features that decide which kernels run."
-    name, flags = platform.processor() or platform.machine(), set()
+    """The CPU kind every figure is measured on: model name, family and model numbers (Zen 2 is family 23, Zen 3 and
+    Zen 4 family 25), the vector, bf16 and AMX features that decide which kernels run (the missing ones named too),
+    cores and torch's version."""
+    name, flags = platform.processor() or platform.machine(), None
     try:
         info = Path("/proc/cpuinfo").read_text()
         name = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
+        family = re.search(r"cpu family\s*:\s*(\d+)", info).group(1)
+        model = re.search(r"^model\s*:\s*(\d+)", info, re.M).group(1)
+        name = f"{name} (family {family} model {model})"
         flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
     except (OSError, AttributeError):
         pass
-    feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name}, {os.cpu_count()} cores, {'/'.join(feats) or 'flags unknown'}, torch {torch.__version__}"
+    if flags is None:
+        feats = "CPU flags unknown"
+    else:
+        have, lack = [f for f in KERNEL_FLAGS if f in flags], [f for f in KERNEL_FLAGS if f not in flags]
+        feats = "/".join(have) + (f", no {'/'.join(lack)}" if lack else "")
+    return f"{name}, {os.cpu_count()} cores, {feats}, torch {torch.__version__}"

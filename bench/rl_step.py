@@ -9,6 +9,7 @@ both see the same machine load. A step is steady from the second one on: nanocha
 (about a minute) and both evaluate there.
 
     python bench/rl_step.py [--rounds 2] [--steps 8] [--threads 2] [--isa native|avx2] [--nanochat-src PATH]
+                            [--before CHECKOUT | --old-flags]
 """
 
 import argparse, json, os, statistics, subprocess, sys, tempfile, time
@@ -18,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from nanochat_peer import GSM8K_DIR, add_peer_args, base_dir, cpu_label, peer_env, run_peer
 
+OLD = ["--logp", "model", "--no-train-stop"]  # the raw softmax trained, the stop token never (nanochat's update)
 FLAGS = [
     "--device-type",
     "cpu",
@@ -62,8 +64,8 @@ def nanochat_run(args, base) -> dict:
     return {"step": out["per_step_wall_s"][steady], "rollout": out["per_step_gen_s"][steady]}
 
 
-def nanorl_run(args, base, tree=None) -> dict:
-    "One run of `python -m nanorl.train` (`tree`'s nanorl if given): seconds per steady step, rollout, training."
+def nanorl_run(args, base, tree=None, extra=()) -> dict:
+    "One run of `python -m nanorl.train` (`tree`'s nanorl if given, `extra` flags): seconds per steady step and parts."
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -78,6 +80,7 @@ def nanorl_run(args, base, tree=None) -> dict:
             str(args.steps),
             "--output-dir",
             out,
+            *extra,
         ]
         env = peer_env(args)
         if tree:  # an older checkout of nanorl, for before/after figures
@@ -100,12 +103,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (the first is not counted)")
     ap.add_argument("--before", default=None, help="instead of nanochat, compare with nanorl from this checkout")
+    ap.add_argument("--old-flags", action="store_true",
+                    help="instead of nanochat, compare with nanorl's update before it was on-policy: " + " ".join(OLD))
     args = ap.parse_args()
     base = base_dir(args)
     now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"# {now} | {cpu_label()} | isa {args.isa} | {args.threads} threads", flush=True)
-    peer = "before" if args.before else "nanochat"
-    peer_run = (lambda a, b: nanorl_run(a, b, Path(args.before).resolve())) if args.before else nanochat_run
+    peer = "before" if args.before else "old" if args.old_flags else "nanochat"
+    peer_run = {
+        "before": lambda a, b: nanorl_run(a, b, Path(args.before).resolve()),
+        "old": lambda a, b: nanorl_run(a, b, extra=OLD),
+        "nanochat": nanochat_run,
+    }[peer]
     runs = {peer: [], "nanorl": []}
     for _ in range(args.rounds):
         for side, run in ((peer, peer_run), ("nanorl", nanorl_run)):

@@ -57,6 +57,7 @@ class DemoConfig:
     num_samples: int = 8
     max_new_tokens: int = 48
     temperature: float = 1.0
+    train_stop: bool = True           # the sampled stop token trained (False: nanochat's rows, notebook 09)
     init_lr_frac: float = 0.1         # fraction of the base learning rates (nanochat's RL uses 0.05)
     eval_every: int = 20
     eval_examples: int = 400
@@ -163,7 +164,7 @@ def rl_config(dc: DemoConfig, control: bool = False, **changes) -> Config:
                   device_type="cpu", task="arithmetic", seed=dc.seed,
                   num_steps=dc.rl_steps, examples_per_step=dc.examples_per_step, num_samples=dc.num_samples,
                   device_batch_size=dc.num_samples, max_new_tokens=dc.max_new_tokens, temperature=dc.temperature,
-                  top_k=0,
+                  top_k=0, train_stop=dc.train_stop,
                   init_lr_frac=dc.init_lr_frac, eval_every=dc.eval_every, eval_examples=dc.eval_examples,
                   eval_samples=dc.eval_samples, save_every=dc.rl_steps, **changes)
 
@@ -289,12 +290,14 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="short version: fewer RL steps, 200 held-out problems")
     p.add_argument("--control", action="store_true",
                    help="also run the control (every advantage 0) from the same SFT model")
+    p.add_argument("--no-train-stop", action="store_true",
+                   help="leave the sampled stop token untrained, as nanochat does (notebook 09)")
     return p
 
 def main(argv=None):
     "Entry point of `python -m nanorl.demo`."
     args = demo_parser().parse_args(argv)
-    dc = DemoConfig(out_dir=args.out_dir, seed=args.seed, threads=args.threads)
+    dc = DemoConfig(out_dir=args.out_dir, seed=args.seed, threads=args.threads, train_stop=not args.no_train_stop)
     if args.quick:
         dc = dc.quick()
     if args.rl_steps is not None:

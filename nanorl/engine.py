@@ -192,7 +192,7 @@ class Engine:
         self.stop_tokens = stop_token_ids(tokenizer)
         self.state_tokens = self.stop_tokens | {self.python_start, self.python_end}  # tokens that change a row's state
         self._token_hash = None
-        self.last_stats = {}
+        self.last_stats, self.last_logprobs, self.last_stops = {}, [], []
 
     def token_hash(self, vocab_size, device):
         "A fixed 32-bit hash per token id (V,) int64: the per-candidate part of the sampling noise."
@@ -212,7 +212,7 @@ NOISE_CHUNK_ELEMENTS = 1 << 21  # full-vocabulary sampling: at most this many (r
 @patch
 @torch.no_grad()
 def pick_tokens(self: Engine, raw, keys, step, temperature=1.0, top_k=None, suppress_stop=False):
-    "Next token ids (b,) from raw logits (b, V): greedy, or Gumbel-max over the top_k candidates with per-row noise."
+    "Next token ids (b,) from raw logits (b, V) and their log-probs (b,) under the distribution they were drawn from."
     V = raw.size(-1)
     if suppress_stop:
         raw = raw.index_fill(-1, self.stop_ids(raw.device), float("-inf"))             # (b, V), the input untouched
@@ -222,31 +222,35 @@ def pick_tokens(self: Engine, raw, keys, step, temperature=1.0, top_k=None, supp
         if suppress_stop:
             capped = capped.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
         best = capped.max(dim=-1, keepdim=True).values                                  # (b, 1)
-        return torch.where(capped == best, idx, V).min(dim=-1).values                 # lowest id among the maxima
+        ids = torch.where(capped == best, idx, V).min(dim=-1).values                  # lowest id among the maxima
+        return ids, capped.new_zeros(ids.shape)                                         # a point mass: log 1 = 0
     if top_k is not None and 0 < top_k < V:
         vals, idx = raw.topk(top_k, dim=-1)                                 # (b, k): the only logits we softcap
-        scores = (softcap(self.model, vals) / temperature
-                  + gumbel_noise(keys, step, self.token_hash(V, raw.device)[idx]))      # (b, k)
+        scaled = softcap(self.model, vals) / temperature                                # (b, k)
         if suppress_stop:
-            scores = scores.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
-        return idx.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
+            scaled = scaled.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
+        choice = (scaled + gumbel_noise(keys, step, self.token_hash(V, raw.device)[idx])).argmax(dim=-1, keepdim=True)
+        logp = scaled.gather(-1, choice) - scaled.logsumexp(dim=-1, keepdim=True)     # (b, 1)
+        return idx.gather(-1, choice).squeeze(-1), logp.squeeze(-1)
     return self.sample_full_vocab(raw, keys, step, temperature, suppress_stop)
 
 
 # %% ../nbs/06_engine.ipynb #4cc2ea87
 @patch
 def sample_full_vocab(self: Engine, raw, keys, step, temperature, suppress_stop=False):
-    "Gumbel-max over the whole vocabulary: token ids (b,) from raw logits (b, V), a chunk of rows at a time."
+    "Gumbel-max over the whole vocabulary: token ids (b,) and their log-probs (b,), a chunk of rows at a time."
     b, V = raw.shape
     hashes, picks = self.token_hash(V, raw.device)[None], raw.new_empty(b, dtype=torch.long)   # (1, V), (b,)
+    logps = raw.new_empty(b, dtype=torch.float32)                                        # (b,)
     rows = max(1, NOISE_CHUNK_ELEMENTS // V)
     for s in range(0, b, rows):
-        scores = (softcap(self.model, raw[s:s + rows]) / temperature
-                  + gumbel_noise(keys[s:s + rows], step, hashes))                        # (rows, V)
+        scaled = softcap(self.model, raw[s:s + rows]).float() / temperature              # (rows, V)
         if suppress_stop:
-            scores[:, self.stop_ids(raw.device)] = float("-inf")   # after the softcap: tanh(-inf) is finite
-        picks[s:s + rows] = scores.argmax(dim=-1)
-    return picks
+            scaled[:, self.stop_ids(raw.device)] = float("-inf")   # after the softcap: tanh(-inf) is finite
+        pick = (scaled + gumbel_noise(keys[s:s + rows], step, hashes)).argmax(dim=-1, keepdim=True)   # (rows, 1)
+        picks[s:s + rows] = pick.squeeze(-1)
+        logps[s:s + rows] = (scaled.gather(-1, pick) - scaled.logsumexp(dim=-1, keepdim=True)).squeeze(-1)
+    return picks, logps
 
 @patch
 def stop_ids(self: Engine, device):
@@ -372,10 +376,11 @@ class Pick:
 @patch
 @torch.no_grad()
 def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire):
-    "The decoding loop: yields (row ids, token column, mask column) per step; with `retire` finished rows get id -1."
+    "The decoding loop: yields (row ids, tokens, masks, log-probs) per step; with `retire` finished rows get id -1."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples
     stats = self.last_stats = new_stats(len(prompts), n_rows)
+    stops = self.last_stops = [None] * n_rows    # per row: (stop id, its log-prob) once the row samples its stop
     if max_tokens == 0:
         return
     cache = _new_cache(model, n_rows, max(len(p) for p in prompts) + max_tokens)
@@ -387,15 +392,19 @@ def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, see
     for step in range(max_tokens):
         raw = model.unembed(h, softcap=False)                                           # (b, V)
         suppress = step < pick.min_new_tokens
-        ids = self.pick_tokens(raw, keys, step, pick.temperature, pick.top_k, suppress_stop=suppress)  # (b,)
-        col = ids.tolist()                                                              # the one host sync per step
-        masks, forced_used = [1] * len(col), False
+        ids, logps = self.pick_tokens(raw, keys, step, pick.temperature, pick.top_k, suppress_stop=suppress)  # (b,)
+        col, lps = ids.tolist(), logps.tolist()                                         # the host syncs of a step
+        masks, forced_used, live = [1] * len(col), False, rows
         if busy or not self.state_tokens.isdisjoint(col):                              # some row changes state
+            live = list(rows)                                                           # before any retires
             forced_used, done, retired = self.advance_rows(rows, states, col, masks, busy, retire, stats)
             n_done, n_dead = n_done + done, n_dead + retired
+            for r, t, lp in zip(live, col, lps):
+                if r >= 0 and stops[r] is None and t in self.stop_tokens and states[r].completed:
+                    stops[r] = (t, lp)
         else:
             stats["sampled_tokens"] += len(rows) - (n_dead if retire else n_done)
-        yield rows, col, masks
+        yield rows, col, masks, lps
         if step == max_tokens - 1 or n_done == n_rows:
             break
         x = torch.tensor(col, dtype=torch.long, device=device) if forced_used else ids   # (b,)
@@ -420,7 +429,7 @@ def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1
     "Stream (token_column, token_masks), num_samples tokens per step, like nanochat (finished rows keep decoding)."
     max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
     pick = Pick(temperature, top_k, min_new_tokens)
-    for _, col, masks in self.decode_steps([tokens], num_samples, max_tokens, pick, seeds, retire=False):
+    for _, col, masks, _ in self.decode_steps([tokens], num_samples, max_tokens, pick, seeds, retire=False):
         yield col, masks
 
 @patch
@@ -429,13 +438,15 @@ def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, tempera
     "num_samples completions of each prompt in one batch: flat (sequences, masks), grouped by prompt."
     max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
     out = [[] for _ in range(len(prompts) * num_samples)]
-    out_masks = [[] for _ in range(len(out))]
+    out_masks, out_logps = [[] for _ in range(len(out))], [[] for _ in range(len(out))]
     pick = Pick(temperature, top_k, min_new_tokens)
-    for rows, col, masks in self.decode_steps(prompts, num_samples, max_tokens, pick, seeds, retire=True):
-        for r, t, m in zip(rows, col, masks):
+    for rows, col, masks, lps in self.decode_steps(prompts, num_samples, max_tokens, pick, seeds, retire=True):
+        for r, t, m, lp in zip(rows, col, masks, lps):
             if r >= 0:
                 out[r].append(t)
                 out_masks[r].append(m)
+                out_logps[r].append(lp if m else 0.0)        # forced tool output was not sampled: no log-prob
+    self.last_logprobs = out_logps
     sequences = [list(prompts[r // num_samples]) + out[r] for r in range(len(out))]
     masks = [[0] * len(prompts[r // num_samples]) + out_masks[r] for r in range(len(out))]
     return sequences, masks

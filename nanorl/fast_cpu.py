@@ -152,28 +152,31 @@ def _logits_grad(g, u, out):
     else:
         torch.ops.aten.sigmoid_backward.grad_input(g, u, grad_input=out)
 
-def _chunk_softmax(z, softcap):
+def _chunk_softmax(z, softcap, sampler, tgt):
     "(u, logits, p, lse) of head products z (n, V): sigmoid (None uncapped), logits, softmax, logsumexp (n,) or None."
     z = z.to(torch.promote_types(z.dtype, torch.float32))                       # (n, V)
-    if softcap is None:                                                         # uncapped (Llama, Qwen)
-        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)                     # (n, V): logits shifted to log p
-        return None, logp, logp.exp(), logp.new_zeros(logp.shape[0])           # their logsumexp: 0
-    u = z.mul_(2 / softcap).sigmoid_()                                          # (n, V): tanh = 2u - 1
-    logits = u * (2 * softcap)                                                  # (n, V): softcapped logits + softcap
-    return u, logits, torch.softmax(logits, dim=-1), None
+    u = None if softcap is None else z.mul_(2 / softcap).sigmoid_()             # (n, V): tanh = 2u - 1
+    logits = z if softcap is None else u * (2 * softcap)                        # (n, V): softcapped logits + softcap
+    if softcap is not None and sampler is None:                                 # p >= exp(-2 softcap) / V: no underflow
+        return u, logits, torch.softmax(logits, dim=-1), None
+    kept = logits if sampler is None else sampler.logits(logits, tgt.squeeze(1))   # (n, V): / T, -inf outside top-k
+    lse = torch.logsumexp(kept, dim=-1, keepdim=True)                           # (n, 1)
+    logp = (logits if sampler is None else logits / sampler.temperature) - lse  # (n, V): shifted to log p, finite
+    return u, logp, kept.sub_(lse).exp_(), logp.new_zeros(logp.shape[0])      # log p's logsumexp: 0
 
 class SoftcappedNLL(torch.autograd.Function):
     "-log softmax(softcap * tanh(h @ W.T / softcap))[target] (softcap None: of h @ W.T) and the entropy, grads formed."
     @staticmethod
-    def forward(ctx, h, weight, targets, softcap, chunk_rows, packed, entropy_grad=False):
-        "nll (N,) and entropy (N,) for h (N, d), weight (V, d), targets (N,), `chunk_rows` rows at a time."
+    def forward(ctx, h, weight, targets, rule, chunk_rows, packed, entropy_grad=False):
+        "nll (N,) and entropy (N,) for h (N, d), weight (V, d), targets (N,), rule (softcap, sampler), chunk by chunk."
+        softcap, sampler = rule
         N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
         head = _head_product(weight, packed, N)
         nll, entropy, dz, de = [], [], None, None        # dz, de (N, V): d nll / dz, d H / dz (a quarter if capped)
         for s in range(0, N, chunk_rows):
             z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
-            u, logits, p, lse = _chunk_softmax(z, softcap)                      # (n, V) x 3, (n,) or None
             tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
+            u, logits, p, lse = _chunk_softmax(z, softcap, sampler, tgt)        # (n, V) x 3, (n,) or None
             p_tgt, logit_tgt = p.gather(1, tgt), logits.gather(1, tgt).squeeze(1)   # (n, 1), (n,)
             if lse is None:                                                     # capped: p >= exp(-2 softcap) / V
                 nll.append(-p_tgt.log().squeeze(1))
@@ -191,7 +194,7 @@ class SoftcappedNLL(torch.autograd.Function):
                 _logits_grad(g, u, de[s:s + chunk_rows])
             p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
             _logits_grad(p, u, dz[s:s + chunk_rows])
-        ctx.scale = 1.0 if softcap is None else 4.0                             # 4: capped, dz holds a quarter
+        ctx.scale = (1.0 if softcap is None else 4.0) / (sampler.temperature if sampler else 1.0)  # 4: a quarter
         if needs_grad:
             if dz is None:                                                      # no rows at all
                 dz = h.new_zeros(0, weight.shape[0])
@@ -219,27 +222,28 @@ class SoftcappedNLL(torch.autograd.Function):
 
 
 # %% ../nbs/12_fast_cpu.ipynb #c708dc9a
-def softcapped_nll(h, weight, targets, softcap, chunk_rows=None, with_entropy=False, packed=None,
-                   entropy_grad=False):
-    "-log p(target) (N,) for h (N, d), head weight (V, d), targets (N,), softcap or None; with_entropy the entropies."
+def softcapped_nll(h, weight, targets, softcap, sampler=None, chunk_rows=None, packed=None, entropy="none"):
+    "-log p(target) (N,) for h (N, d), head weight (V, d), targets (N,), softcap or None; entropy: none, value, grad."
     if h.ndim != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, d) and targets (N,), got {tuple(h.shape)} and {tuple(targets.shape)}")
     if chunk_rows is None:  # CPU: a few MB per chunk stays in cache; GPU: one big chunk keeps the matmul large
         budget = 2**22 if h.device.type == "cpu" else 2**28
         chunk_rows = max(1, budget // weight.shape[0])
-    softcap = None if softcap is None else float(softcap)
-    nll, entropy = SoftcappedNLL.apply(h, weight, targets, softcap, int(chunk_rows), packed,  # packed: W's copy
-                                       bool(entropy_grad))
-    return (nll, entropy) if with_entropy else nll
+    if entropy not in ("none", "value", "grad"):
+        raise ValueError(f"entropy must be 'none', 'value' or 'grad', got {entropy!r}")
+    rule = (None if softcap is None else float(softcap), sampler)
+    nll, ent = SoftcappedNLL.apply(h, weight, targets, rule, int(chunk_rows), packed,   # packed: W's copy
+                                   entropy == "grad")
+    return nll if entropy == "none" else (nll, ent)
 
 
 # %% ../nbs/12_fast_cpu.ipynb #26bc535d
 @patch
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
-            entropy_grad=False):
+            entropy_grad=False, sampler=None):
     "The plain forward, but a loss unembeds only the trained positions, through `softcapped_nll`."
     if targets is None:                                                         # the plain forward, Llama's too
-        return PLAIN[GPT, "forward"](self, idx, None, kv_cache, loss_reduction, with_entropy)
+        return PLAIN[GPT, "forward"](self, idx, None, kv_cache, loss_reduction, with_entropy, sampler=sampler)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     h = self.hidden(idx, kv_cache)                                              # (B, T, d)
     flat_targets = targets.reshape(-1)                                          # (B*T,)
@@ -247,8 +251,8 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     h_kept = h.reshape(-1, h.size(-1)).index_select(0, keep)                   # (N, d)
     head = self.lm_head.weight[: self.config.vocab_size]                       # (V, d)
     packed = self.lm_head.pack if onednn_pays(*head.shape) else None           # the loss: where measured faster
-    losses, entropy = softcapped_nll(h_kept, head, flat_targets.index_select(0, keep), self.softcap,
-                                     with_entropy=True, packed=packed, entropy_grad=entropy_grad)          # (N,), (N,)
+    losses, entropy = softcapped_nll(h_kept, head, flat_targets.index_select(0, keep), self.softcap, sampler,
+                                     packed=packed, entropy="grad" if entropy_grad else "value")           # (N,), (N,)
     if loss_reduction == "mean":
         loss = losses.mean()
     elif loss_reduction == "sum":

@@ -160,12 +160,12 @@ def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKV
     return cache.expand(inputs.shape[0])
 
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, share_prefix: bool = True,
-               with_entropy: bool = False, entropy_grad: bool = False):
-    "Log-probability of each target token (B, T), 0 where the target is -1 (and with_entropy, each position's entropy)."
+               with_entropy: bool = False, entropy_grad: bool = False, sampler=None):
+    "Log-prob of each target (B, T) under `sampler`'s distribution (None: the model's), 0 where the target is -1."
     share_prefix = share_prefix and not (torch.is_grad_enabled() and isinstance(model, FSDPModule))  # see below
     P = shared_prefix_len(inputs, targets) if share_prefix else 0
     cache = shared_prefix_cache(model, inputs, P) if P else None
     nll, entropy = model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none",
-                         with_entropy=True, entropy_grad=entropy_grad)            # (B * (T - P),) each
+                         with_entropy=True, entropy_grad=entropy_grad, sampler=sampler)   # (B * (T - P),) each
     logp, entropy = (F.pad(x.view(inputs.shape[0], -1), (P, 0)) for x in (-nll, entropy))   # (B, T) each
     return (logp, entropy) if with_entropy else logp

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'NS_COEFFICIENTS',
            'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed',
-           'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'newton_schulz',
-           'matmul_seconds', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
+           'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'Sampler',
+           'newton_schulz', 'matmul_seconds', 'native_cpu_bf16', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -426,10 +426,12 @@ def check_loss_request(idx, targets, loss_reduction, with_entropy):
         raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
 
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
-            entropy_grad=False):
+            entropy_grad=False, sampler=None):
     "Logits (B, T, V); with targets the cross-entropy by `loss_reduction` and, with_entropy, the entropies (B*T,)."
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     logits = self.unembed(self.hidden(idx, kv_cache))                           # (B, T, V) float32, softcapped
+    if sampler is not None:                                                     # the distribution sampled from
+        logits = sampler.logits(logits, targets)
     if targets is None:
         return logits
     logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)  # (B*T, V), (B*T,)
@@ -438,9 +440,33 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
     logp = F.log_softmax(logits, dim=-1)                                        # (B*T, V): once, for both
     loss = F.nll_loss(logp, targets, ignore_index=-1, reduction=loss_reduction)
     logp = logp if entropy_grad else logp.detach()
-    entropy = -(logp.exp() * logp).sum(-1)                                      # (B*T,)
+    entropy = -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)   # (B*T,); 0 * -inf -> 0
     return loss, entropy.masked_fill(targets == -1, 0.0)
 GPT.unembed, GPT.forward = unembed, forward
+
+# %% ../nbs/02_model.ipynb #6a40f22b
+@dataclass(frozen=True)
+class Sampler:
+    "The distribution tokens are drawn from: softmax(logits / temperature) over the top_k largest logits (None: all)."
+    temperature: float = 1.0
+    top_k: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"a sampler's temperature must be > 0, got {self.temperature}")
+
+    def logits(self, logits, keep=None):
+        "logits (..., V) / temperature, -inf outside the top_k largest; ids `keep` (...) stay inside (-1: none)."
+        out = logits / self.temperature if self.temperature != 1 else logits                 # (..., V)
+        if self.top_k and self.top_k < logits.size(-1):
+            idx = out.topk(self.top_k, dim=-1).indices                                         # (..., k)
+            if keep is not None:                     # a sampled token just outside: it takes the k-th place
+                t = keep.clamp(min=0).unsqueeze(-1)                                            # (..., 1)
+                last = torch.where((idx == t).any(-1, keepdim=True), idx[..., -1:], t)
+                idx = torch.cat([idx[..., :-1], last], dim=-1)
+            inside = torch.zeros_like(out, dtype=torch.bool).scatter_(-1, idx, True)         # (..., V)
+            out = out.masked_fill(~inside, float("-inf"))
+        return out
 
 # %% ../nbs/02_model.ipynb #ed44e270
 def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):
@@ -478,15 +504,21 @@ def matmul_seconds(dtype, n=128, k=512, repeats=3):
             best = min(best, time.perf_counter() - start)
     return best
 
+def native_cpu_bf16() -> bool:
+    "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's own CPU feature check reports it."
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if None in checks:                                          # a torch without the checks: time one product each
+        return matmul_seconds(torch.bfloat16) < matmul_seconds(torch.float32)
+    return any(check() for check in checks)
+
 @functools.cache
 def fast_matmul_dtype(device_type: str) -> torch.dtype:
-    "bfloat16 where this machine multiplies it faster than float32 (CUDA with bf16, CPUs with native bf16)."
+    "bfloat16 where this machine multiplies it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else float32."
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device_type != "cpu":
         return torch.float32
-    faster = matmul_seconds(torch.bfloat16) < matmul_seconds(torch.float32)
-    return torch.bfloat16 if faster else torch.float32
+    return torch.bfloat16 if native_cpu_bf16() else torch.float32
 
 # %% ../nbs/02_model.ipynb #97676b73
 class Muon(torch.optim.Optimizer):

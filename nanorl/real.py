@@ -123,6 +123,9 @@ def real_parser() -> argparse.ArgumentParser:
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus (default 0: off)")
     p.add_argument("--eval-examples", type=int, default=None, help="held-out problems per evaluation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--logp", choices=("sampler", "model"), default="sampler",
+                   help="the distribution trained: the sampler's (default) or the raw model's (nanochat's)")
+    p.add_argument("--no-train-stop", action="store_true", help="leave the sampled stop token untrained (nanochat's)")
     return p
 
 def main(argv=None):
@@ -134,8 +137,8 @@ def main(argv=None):
         sys.exit(f"nanorl.real: error: {e}")
     set_threads(args.threads)
     given = dict(num_steps=args.num_steps, lr=args.lr, eval_examples=args.eval_examples)
-    cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef,
-                      **{k: v for k, v in given.items() if v is not None})
+    cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef, logp=args.logp,
+                      train_stop=not args.no_train_stop, **{k: v for k, v in given.items() if v is not None})
     s = run_real(cfg)
     print(f"held-out pass@1 {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± {s['after_se']:.3f} "
           f"in {s['seconds'] / 60:.1f} min; curves: {s['plot']}")

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['problem_seed', 'sample_seeds', 'step_examples', 'Sampling', 'Rollout', 'assistant_prefix', 'prompt_ids', 'rollout',
-           'halve_after_oom', 'collate', 'completion_text', 'Scores', 'score', 'microbatches']
+           'halve_after_oom', 'trained_rows', 'collate_logprobs', 'collate', 'completion_text', 'Scores', 'score',
+           'microbatches']
 
 # %% ../nbs/09_rollout.ipynb #a5efe9b6
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class Rollout:
     masks: list           # like sequences: 1 where the token was sampled, 0 for prompt and tool output
     tool_calls: int       # calculator calls over all samples
     rows_per_call: int    # rows per engine call at the end (smaller after an out-of-memory retry)
+    logprobs: list | None = None   # like sequences: the sampler's log-prob of each sampled token, 0 elsewhere
+    stops: list | None = None      # per row: (stop id, its log-prob) if the row sampled its stop token, else None
 
 # %% ../nbs/09_rollout.ipynb #368038bd
 def assistant_prefix(conversation) -> str:
@@ -80,7 +83,7 @@ def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_row
     prompts = [prompt_ids(tokenizer, task[i]) for i in indices]
     n = sampling.num_samples
     per_call = max(1, max_rows // n)
-    sequences, masks, tool_calls, j = [], [], 0, 0
+    sequences, masks, logprobs, stops, tool_calls, j = [], [], [], [], 0, 0
     while j < len(prompts):
         try:
             seqs, msks = engine.generate_many(prompts[j:j + per_call], seed=seeds[j:j + per_call],
@@ -90,9 +93,13 @@ def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_row
             continue
         sequences += seqs
         masks += msks
+        sampled = getattr(engine, "last_logprobs", None) or [None] * len(seqs)    # None: no log-probs reported
+        logprobs += [None if lp is None else [0.0] * (len(s) - len(lp)) + lp for s, lp in zip(seqs, sampled)]
+        stops += getattr(engine, "last_stops", None) or [None] * len(seqs)
         j += per_call
         tool_calls += engine.last_stats.get("tool_calls", 0)
-    return Rollout(prompts, sequences, masks, tool_calls, per_call * n)
+    logprobs = logprobs if None not in logprobs else None
+    return Rollout(prompts, sequences, masks, tool_calls, per_call * n, logprobs, stops)
 
 def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollout",
                     flags: str = "--num-samples or --max-new-tokens") -> int:
@@ -107,6 +114,25 @@ def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollo
     return per_call // 2
 
 # %% ../nbs/09_rollout.ipynb #d0055f73
+def trained_rows(batch: Rollout, rows, train_stop: bool = True):
+    "(sequences, masks, log-probs) of `rows` as trained: each ended by its sampled stop token (mask 1) if train_stop."
+    seqs, masks, logps = [], [], []
+    for r in rows:
+        stop = batch.stops[r] if train_stop and batch.stops else None
+        tail = ([stop[0]], [1], [stop[1]]) if stop else ([], [], [])
+        seqs.append(list(batch.sequences[r]) + tail[0])
+        masks.append(list(batch.masks[r]) + tail[1])
+        logps.append(list(batch.logprobs[r]) + tail[2] if batch.logprobs else None)
+    return seqs, masks, logps
+
+def collate_logprobs(logprobs, device="cpu"):
+    "The sampler's log-probs (B, T-1) aligned with `collate`'s targets: entry t is the log-prob of token t + 1."
+    T = max(len(lp) for lp in logprobs)
+    out = torch.zeros((len(logprobs), T), dtype=torch.float32)          # (B, T)
+    for i, lp in enumerate(logprobs):
+        out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out[:, 1:].to(device)
+
 def collate(sequences, masks, pad_id: int, device="cpu"):
     "Pad rows into (inputs, targets) of shape (B, T-1); targets are -1 wherever mask is 0."
     T = max(len(s) for s in sequences)

@@ -6,12 +6,13 @@
 __all__ = ['PRESETS', 'CHOICES', 'POSITIVE', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'Config',
            'resolve_preset', 'validate', 'build_parser', 'config_from_args', 'autodetect_device_type',
            'init_distributed', 'compute_dtype', 'autocast_for', 'lr_multiplier', 'sync_gradients', 'reduce_sums',
-           'is_sharded', 'shard_units', 'shard_model', 'gathered', 'GatheredMuon', 'gather_muon', 'full_tensor',
-           'full_model_state', 'full_optim_state', 'sharded_optim_state', 'held_bytes', 'reset_peak_memory',
-           'peak_memory', 'memory_per_rank', 'step_normalizer', 'backward_passes', 'use_sparse_embedding_grads',
-           'densify_grads', 'sync_and_step', 'RunLog', 'make_tasks', 'run_dir', 'check_writable', 'complete_steps',
-           'elastic_restarts', 'PolicyStart', 'load_policy', 'load_resume_point', 'build_optimizer', 'NonFiniteError',
-           'check_tasks', 'Trainer', 'train', 'param_fingerprint', 'main']
+           'reduce_max', 'is_sharded', 'shard_units', 'shard_model', 'gathered', 'GatheredMuon', 'gather_muon',
+           'full_tensor', 'full_model_state', 'full_optim_state', 'sharded_optim_state', 'held_bytes',
+           'reset_peak_memory', 'peak_memory', 'memory_per_rank', 'step_normalizer', 'trained_distribution',
+           'backward_passes', 'use_sparse_embedding_grads', 'densify_grads', 'sync_and_step', 'RunLog', 'make_tasks',
+           'run_dir', 'check_writable', 'complete_steps', 'elastic_restarts', 'PolicyStart', 'load_policy',
+           'load_resume_point', 'build_optimizer', 'NonFiniteError', 'check_tasks', 'Trainer', 'train',
+           'param_fingerprint', 'main']
 
 # %% ../nbs/13_train.ipynb #5ba25a36
 import argparse, copy, ctypes, dataclasses, datetime, hashlib, importlib, json, math, os, sys, tempfile, time, warnings
@@ -29,12 +30,12 @@ from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .rollout import (Rollout, Sampling, Scores, collate, halve_after_oom, microbatches, rollout, sample_seeds,
-                            score, step_examples)
+from .rollout import (Rollout, Sampling, Scores, collate, collate_logprobs, halve_after_oom, microbatches,
+                            rollout, sample_seeds, score, step_examples, trained_rows)
 from .checkpoint import (CheckpointError, checkpoint_steps, get_base_dir, hf_checkpoint_steps, load_checkpoint,
                                load_hf_model, load_model, load_resume_state, save_checkpoint, save_hf_step)
 from .llama import Llama
-from .model import Muon, MultiOptimizer, fast_matmul_dtype
+from .model import Muon, MultiOptimizer, Sampler, fast_matmul_dtype
 from .engine import Engine
 from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
@@ -92,6 +93,10 @@ class Config:
     loss_norm: str = _flag("nanochat", "loss normalization: nanochat, token (DAPO), sequence (GRPO), drgrpo")
     skip_zero_signal: bool = _flag(False, "skip the passes of groups whose rewards are all equal "
                                           "(same update, less compute)")
+    logp: str = _flag("sampler", "the distribution the loss trains: sampler (softmax(logits / temperature) over the "
+                      "top-k, the one each token was drawn from: on-policy) or model (the raw logits, as nanochat)")
+    train_stop: bool = _flag(True, "train the sampled stop token that ends each completion (--no-train-stop: "
+                                   "never, as nanochat)")
     kl_coef: float = _flag(0.0, "KL penalty to the starting model (0: off, as nanochat)")
     entropy_coef: float = _flag(0.0, "entropy bonus: minus this times the trained tokens' entropy, normalized as "
                                      "the loss (0: off, as nanochat)")
@@ -136,7 +141,7 @@ def resolve_preset(cfg: Config, explicit=()) -> Config:
     return dataclasses.replace(cfg, preset=None, **fill)
 
 # %% ../nbs/13_train.ipynb #90dfd411
-CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NORMALIZATIONS,
+CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NORMALIZATIONS, logp=("sampler", "model"),
                lr_schedule=("linear", "cosine"), dtype=("auto", "float32", "bfloat16"),
                device_type=("", "cuda", "cpu", "mps"))
 POSITIVE = ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "eval_every",
@@ -215,10 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="On-policy RL (GRPO simplified to REINFORCE) for nanochat models.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(Config):
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_type(f),
+        flag, boolean = "--" + f.name.replace("_", "-"), _field_type(f) is _parse_bool
+        p.add_argument(flag, dest=f.name, type=_field_type(f),
                        default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {f.default})",
-                       nargs="?" if _field_type(f) is _parse_bool else None,
-                       const=True if _field_type(f) is _parse_bool else None)
+                       nargs="?" if boolean else None, const=True if boolean else None)
+        if boolean:                                              # --no-train-stop, as well as --train-stop false
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 def config_from_args(argv=None) -> Config:
@@ -307,6 +315,15 @@ def reduce_sums(values: dict, device, world_size: int) -> dict:
     if world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
+
+def reduce_max(value: float, device, world_size: int) -> float:
+    "The largest of every rank's `value`."
+    if world_size == 1:
+        return float(value)
+    device = torch.device(device)
+    t = torch.tensor([float(value)], dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 # %% ../nbs/13_train.ipynb #8b9fcb79
 def is_sharded(model) -> bool:
@@ -472,27 +489,37 @@ def step_normalizer(cfg, targets_per_pass, device, world_size):
     return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
                            num_microbatches=totals["passes"], max_len=cfg.max_new_tokens, world_size=world_size)
 
+def trained_distribution(cfg) -> Sampler | None:
+    "The distribution the loss trains: the sampler's (temperature, top-k) with --logp sampler, None for the model's."
+    return Sampler(cfg.temperature, cfg.top_k or None) if cfg.logp == "sampler" else None
+
 def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
-    "Forward and backward every pass; returns the loss, the sampled tokens' log-prob and entropy sums, and their count."
-    sums = []                                     # per pass: loss, logp and entropy sums, tokens; read once at the end
-    for inputs, targets, rows in passes:
+    "Forward and backward every pass (inputs, targets, rows[, engine log-probs]); returns sums over the step's tokens."
+    sampler = trained_distribution(cfg)
+    ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (notebook 10)
+    sums, gap_max = [], torch.zeros(())           # per pass: loss, logp, entropy, tokens, gap; read once at the end
+    for inputs, targets, rows, *sampled in passes:
         mask = targets != -1                                                   # (b, T)
         with autocast:
             logp, entropy = token_logp(model, inputs, targets, with_entropy=True,
-                                       entropy_grad=cfg.entropy_coef > 0)       # (b, T) each
+                                       entropy_grad=cfg.entropy_coef > 0, sampler=sampler)   # (b, T) each
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad(), autocast:
-                ref_logp = token_logp(ref_model, inputs, targets)          # (b, T)
+                ref_logp = token_logp(ref_model, inputs, targets, sampler=ref_sampler)   # (b, T)
         kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
         loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, kl=kl)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
+        gap = (logp.detach().float() - sampled[0].float())[mask].abs() if sampled else logp.new_zeros(0)   # (N,)
+        gap_max = torch.maximum(gap_max, gap.max().cpu()) if gap.numel() else gap_max
         sums.append(torch.stack([loss.detach().float(), logp.detach()[mask].float().sum(),
-                                 entropy.detach()[mask].float().sum(), mask.sum().float()]))
-    loss, logp, entropy, tokens = torch.stack(sums).cpu().double().sum(0).tolist() if sums else (0.0,) * 4
-    return {"loss": loss, "logp_sum": logp, "entropy_sum": entropy, "tokens": int(tokens)}
+                                 entropy.detach()[mask].float().sum(), mask.sum().float(), gap.sum().float(),
+                                 torch.tensor(float(gap.numel()), device=gap.device)]))
+    loss, logp, entropy, tokens, gap, gapped = torch.stack(sums).cpu().double().sum(0).tolist() if sums else (0.0,) * 6
+    return {"loss": loss, "logp_sum": logp, "entropy_sum": entropy, "tokens": int(tokens), "gap_sum": gap,
+            "gap_tokens": int(gapped), "gap_max": gap_max.item()}
 
 # %% ../nbs/13_train.ipynb #5b266007
 def use_sparse_embedding_grads(model):
@@ -820,14 +847,17 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
     "Forward and backward every training pass of the batch; returns the summed loss and token statistics."
     cfg, passes = self.cfg, []
     for rows in microbatches(num_groups, cfg.num_samples, cfg.device_batch_size):
-        seqs, masks = [batch.sequences[r] for r in rows], [batch.masks[r] for r in rows]
+        seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop)        # each row ended by its stop token
         inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
-        passes.append((inputs, targets, torch.tensor(rows)))
-    normalizer = step_normalizer(cfg, [t for _, t, _ in passes], self.device, self.world)  # skipped passes count
+        sampled = [] if None in logps else [collate_logprobs(logps, self.device)]   # (b, T): the engine's
+        passes.append((inputs, targets, torch.tensor(rows), *sampled))
+    normalizer = step_normalizer(cfg, [p[1] for p in passes], self.device, self.world)  # skipped passes count
     if cfg.skip_zero_signal:
         passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
+    stops = [batch.stops[r] for p in passes for r in p[2].tolist()] if cfg.train_stop and batch.stops else []
     advantages = scores.advantages.to(self.device)                            # (B,)
-    return backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
+    stats = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
+    return stats | {"stop_trained": sum(s is not None for s in stops)}
 
 # %% ../nbs/13_train.ipynb #fdc17304
 @patch
@@ -839,14 +869,18 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
     sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(gen_lens),
                         "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
                         "tool_calls": batch.tool_calls, "loss": stats["loss"], "logp": stats["logp_sum"],
-                        "tokens": stats["tokens"], "entropy": stats["entropy_sum"], **terms},
+                        "tokens": stats["tokens"], "entropy": stats["entropy_sum"], "gap": stats["gap_sum"],
+                        "gap_tokens": stats["gap_tokens"], "stop_trained": stats["stop_trained"], **terms},
                        self.device, self.world)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
+    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),
+            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1)} if sums["gap_tokens"] else {}
     return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world,
             "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
             "zero_signal_frac": sums["zero_signal"] / sums["groups"],
             "tool_calls_per_sample": sums["tool_calls"] / rows,
             "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
+            "stop_trained": int(sums["stop_trained"]), **gaps,
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}
 
 # %% ../nbs/13_train.ipynb #16d1e26e

@@ -575,3 +575,16 @@ def small_run(**changes):
     "Command-line flags of a small CPU run on the toy task: SMALL_RUN with `changes` (None leaves a flag out)."
     settings = {**SMALL_RUN, **changes}
     return [w for k, v in settings.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
+
+
+# ---------------------------------------------------------------- vLLM's CPU backend: a tiny folder it accepts
+
+
+def save_tiny_qwen2_head32(folder, seed=0):
+    "save_tiny_hf_model's Qwen2 as 2 heads of 32 and 1 kv head (same weight shapes): vLLM's CPU backend rejects 16."
+    save_tiny_hf_model("qwen2", folder, seed=seed)
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config.update(num_attention_heads=2, num_key_value_heads=1)
+    path.write_text(json.dumps(config, indent=2))
+    return Path(folder)

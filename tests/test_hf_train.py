@@ -145,9 +145,10 @@ def test_forced_sharding_round_trips_through_transformers(hf_folders, tmp_path, 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
     assert json.loads((out / "config.json").read_text()) == json.loads((source / "config.json").read_text())
-    with torch.no_grad():
-        assert torch.equal(hf_logits(out), model(IDS))
     assert_same(tensors(out), dict(model.state_dict()))
+    with torch.no_grad():  # the same code on the same bits: equal; transformers' own code rounds its own way
+        assert torch.equal(our_logits(out), model(IDS))
+        assert (hf_logits(out) - model(IDS)).abs().max() < 1e-5
     whole = save_hf_checkpoint(tmp_path / "whole", model, source)  # default: one file
     assert (whole / "model.safetensors").is_file() and not (whole / SAFETENSORS_INDEX).exists()
 

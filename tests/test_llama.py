@@ -20,6 +20,7 @@ from nanorl.llama import (
     rope_settings,
     template_messages,
 )
+from rounding import LOGITS_ATOL, assert_greedy_agrees
 
 KINDS = ("qwen2", "qwen3", "llama")
 SAVE = {"qwen2": {}, "qwen3": {"max_shard_size": "40KB"}, "llama": {"dtype": torch.bfloat16}}  # sharded; bf16 file
@@ -111,7 +112,7 @@ def test_logits_and_losses_match_transformers(folders, kind):
         per_token = model(ids, targets, loss_reduction="none")
         loss, entropy = model(ids, targets, with_entropy=True)
     assert ours.dtype == torch.float32 and ours.shape == (2, 40, model.config.vocab_size)
-    assert (ours - theirs).abs().max() < 1e-4
+    assert (ours - theirs).abs().max() < LOGITS_ATOL
     ref = F.cross_entropy(theirs.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
     torch.testing.assert_close(per_token, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss, ref[targets.flatten() != -1].mean(), atol=1e-5, rtol=1e-5)
@@ -228,7 +229,9 @@ def test_setup_optimizers(folders):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generation_matches_transformers(folders, kind):
-    "Engine.generate_batch at temperature 0 gives transformers' generate(do_sample=False), token for token."
+    """Engine.generate_batch at temperature 0 gives transformers' generate(do_sample=False), token for token, up to a
+    near tie (two logits within 2 x LOGITS_ATOL) that the two implementations' rounding may break differently; past
+    such a tie the prefixes differ and nothing more is compared (tests/rounding.py)."""
     folder, hf = folders[kind]
     model, tok = load_llama(folder), ChatTokenizer.from_directory(folder)
     engine = Engine(model, tok)
@@ -239,8 +242,8 @@ def test_greedy_generation_matches_transformers(folders, kind):
         ours = seqs[0][len(prompt) :]
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt) :].tolist()
-        cut = next((j for j, t in enumerate(ref) if t in engine.stop_tokens), len(ref))
-        assert ours == ref[:cut]
+            logits = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1 : -1]  # (len(ref), V): before each
+        assert_greedy_agrees(ours, ref, logits, engine.stop_tokens, LOGITS_ATOL)
         assert seqs[0][: len(prompt)] == prompt and masks[0] == [0] * len(prompt) + [1] * len(ours)
 
 

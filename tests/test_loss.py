@@ -138,7 +138,7 @@ def test_entropy_bonus_gradient_is_analytic(family, coef, tmp_path):
     for r, n in enumerate([10, 4, 7, 1]):
         targets[r, P - 1 + n :] = -1  # ragged completions
     for norm in ("token", "sequence"):
-        cfg = Config(entropy_coef=coef, loss_norm=norm)
+        cfg = Config(entropy_coef=coef, loss_norm=norm, logp="model")  # the formula is the full softmax's
         normalizer = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
         model.zero_grad()
         stats = backward_passes(

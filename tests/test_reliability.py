@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rounding import STEP_ATOL
 from doubles import base_dir, records, checkpoints_of, small_run, weights
 from nanorl.checkpoint import CheckpointError, load_model
 from nanorl.rollout import Sampling
@@ -328,8 +329,12 @@ def test_rollout_oom_halves_then_restores(tmp_path, monkeypatch, one_step):
     recs = train(run_config(base, num_steps=1, rollout_rows=8))
     assert calls == [8, 4, 4] and recs[0]["rollout_rows"] == 4
     assert_same_tensors(weights(base, 0), one_step[0], "weights after a halved rollout")
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_rows"}
+    # the same samples and update; the engine's log-probs come from products over another row count, so the gap to the
+    # trainer's (a rounding-level measurement) may differ in its last bits: within tests/rounding.py's bound
+    gaps = ("logp_gap_max", "logp_gap_mean")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k not in ("rollout_rows", *gaps)}
     assert strip(recs[0]) == strip(one_step[1][0])
+    assert all(abs(recs[0][k] - one_step[1][0][k]) <= STEP_ATOL[k] for k in gaps)
     calls.clear()
     recs = train(run_config(base_dir(tmp_path, "two"), num_steps=3, rollout_rows=8))
     assert calls == [8, 4, 4, 4, 4, 8] and [r["rollout_rows"] for r in recs] == [
@@ -355,8 +360,12 @@ def test_evaluation_oom_halves_and_gives_the_same_result(tmp_path, monkeypatch, 
     base = base_dir(tmp_path, "run")
     recs = train(run_config(base, num_steps=1, rollout_rows=8))
     assert calls[:3] == [2, 1, 1], calls  # 2 eval prompts per call, then 1 and 1
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_rows"}
+    # the same samples and update; the engine's log-probs come from products over another row count, so the gap to the
+    # trainer's (a rounding-level measurement) may differ in its last bits: within tests/rounding.py's bound
+    gaps = ("logp_gap_max", "logp_gap_mean")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("t_") and k not in ("rollout_rows", *gaps)}
     assert strip(recs[0]) == strip(one_step[1][0])
+    assert all(abs(recs[0][k] - one_step[1][0][k]) <= STEP_ATOL[k] for k in gaps)
     assert_same_tensors(weights(base, 0), one_step[0], "weights after a halved evaluation")
 
 

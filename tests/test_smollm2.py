@@ -15,6 +15,7 @@ from doubles import FIXTURES, gsm8k_chat_conversations, smollm2_folder
 from nanorl.engine import Engine
 from nanorl.llama import ChatTokenizer, load_llama, template_messages
 from nanorl.tasks import GSM8K
+from rounding import LOGITS_ATOL, assert_greedy_agrees
 
 FOLDER = smollm2_folder()
 pytestmark = pytest.mark.skipif(
@@ -46,21 +47,23 @@ def test_logits_match_transformers(models, gsm8k_prompt):
     with torch.no_grad():
         a, b = ours(x), hf(x).logits.float()
     assert a.shape == b.shape == (1, len(gsm8k_prompt), ours.config.vocab_size)
-    assert (a - b).abs().max().item() < 1e-4
+    assert (a - b).abs().max().item() < LOGITS_ATOL
 
 
 def test_greedy_generation_matches_transformers(models, gsm8k_prompt):
-    "Greedy decoding with the engine gives transformers' generate(do_sample=False) token for token (32 tokens)."
+    """Greedy decoding with the engine gives transformers' generate(do_sample=False) token for token (32 tokens), up to
+    a near tie (two logits within 2 x LOGITS_ATOL) that the two implementations' rounding may break differently; past
+    it the prefixes differ and nothing more is compared (tests/rounding.py)."""
     ours, hf, tok = models[:3]
     engine = Engine(ours, tok)
     seqs, masks = engine.generate_batch(gsm8k_prompt, num_samples=1, max_tokens=32, temperature=0.0)
     mine = seqs[0][len(gsm8k_prompt) :]
     with torch.no_grad():
         out = hf.generate(torch.tensor([gsm8k_prompt]), do_sample=False, max_new_tokens=32)
-    ref = out[0, len(gsm8k_prompt) :].tolist()
-    cut = next((j for j, t in enumerate(ref) if t in engine.stop_tokens), len(ref))  # we stop at the end of turn
+        ref = out[0, len(gsm8k_prompt) :].tolist()
+        logits = hf(out).logits[0, len(gsm8k_prompt) - 1 : -1].float()  # (len(ref), V): before each of its tokens
     assert len(mine) >= 8
-    assert mine == ref[:cut]
+    assert_greedy_agrees(mine, ref, logits, engine.stop_tokens, LOGITS_ATOL)  # we stop at the end of turn
     assert masks[0][len(gsm8k_prompt) :] == [1] * len(mine)
 
 

@@ -70,7 +70,7 @@ def nanorl_step(batch, kind, old_from=None):
         seqs = [batch["rows"][r][0] + batch["rows"][r][1] for r in rows]
         masks = [[0] * len(batch["rows"][r][0]) + [1] * len(batch["rows"][r][1]) for r in rows]
         passes.append((rows, *collate(seqs, masks, batch["pad"])))
-    cfg = Config(loss_norm=kind, max_new_tokens=MAX_NEW)
+    cfg = Config(loss_norm=kind, max_new_tokens=MAX_NEW, top_k=0)  # TRL: log_softmax(logits / T), every token
     norm = step_normalizer(cfg, [t for _, _, t in passes], torch.device("cpu"), 1)
     if old_from is None:  # the trainer's own passes
         step = [(inputs, targets, torch.tensor(rows)) for rows, inputs, targets in passes]
