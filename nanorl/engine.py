@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_TOKENS', 'sample_next_token', 'mix32', 'row_key',
            'step_key', 'gumbel_noise', 'seeds_per_prompt', 'stop_token_ids', 'reference_generate', 'RowState',
-           'context_limit', 'Engine', 'softcap', 'new_stats', 'Pick']
+           'context_limit', 'Engine', 'softcap', 'check_generation', 'new_stats', 'Pick']
 
 # %% ../nbs/06_engine.ipynb #301f3865
 import math, numbers, operator, time
@@ -288,9 +288,8 @@ def advance_row(self: Engine, state, token, live=True):
 # %% ../nbs/06_engine.ipynb #b8a71f69
 DEFAULT_MAX_NEW_TOKENS = 4096   # new tokens when max_tokens is None: the cache holds prompt + this many positions
 
-@patch
-def check_request(self: Engine, prompts, num_samples, max_tokens, temperature, seed):
-    "Validate a generation request; returns (max_tokens, one seed per prompt)."
+def check_generation(prompts, num_samples, max_tokens, temperature, seed, positions: tuple):
+    "Validate a request; positions: (default length, limit), each (tokens, name). Returns (max_tokens, seeds)."
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"expected a non-empty list of prompts, got {prompts!r}")
     for i, p in enumerate(prompts):
@@ -300,17 +299,23 @@ def check_request(self: Engine, prompts, num_samples, max_tokens, temperature, s
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    longest, limit = max(len(p) for p in prompts), context_limit(self.model)
-    if max_tokens is None:     # the model's sequence_len, but at most DEFAULT_MAX_NEW_TOKENS (Qwen's is 32768)
-        max_tokens = min(self.model.config.sequence_len - longest, DEFAULT_MAX_NEW_TOKENS)
+    longest, ((length, length_name), (limit, limit_name)) = max(len(p) for p in prompts), positions
+    if max_tokens is None:     # the model's length, but at most DEFAULT_MAX_NEW_TOKENS (Qwen's is 32768)
+        max_tokens = min(length - longest, DEFAULT_MAX_NEW_TOKENS)
         if max_tokens < 1:
-            raise ValueError(f"a prompt of {longest} tokens leaves no room in "
-                             f"sequence_len={self.model.config.sequence_len}; pass max_tokens")
+            raise ValueError(f"a prompt of {longest} tokens leaves no room in {length_name}={length}; pass max_tokens")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if longest + max_tokens > limit:
-        raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's {limit} positions")
+        raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds {limit_name}'s {limit} "
+                         "positions")
     return max_tokens, seeds_per_prompt(seed, len(prompts))
+
+@patch
+def check_request(self: Engine, prompts, num_samples, max_tokens, temperature, seed):
+    "Validate a generation request; returns (max_tokens, one seed per prompt)."
+    positions = ((self.model.config.sequence_len, "sequence_len"), (context_limit(self.model), "the model"))
+    return check_generation(prompts, num_samples, max_tokens, temperature, seed, positions)
 
 def new_stats(n_prompts, n_rows):
     "Counters for one generation call (Engine.last_stats)."

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from .checkpoint import check_hf_folder, save_hf_checkpoint
-from .engine import DEFAULT_MAX_NEW_TOKENS, new_stats, row_key, seeds_per_prompt, stop_token_ids
+from .engine import check_generation, new_stats, row_key, stop_token_ids
 from .llama import ChatTokenizer
 
 # %% auto #0
@@ -83,27 +83,8 @@ class VLLMEngine:
 @patch
 def check_request(self: VLLMEngine, prompts, num_samples, max_tokens, temperature, seed):
     "Validate a generation request as `Engine` does; returns (max_tokens, one seed per prompt)."
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"expected a non-empty list of prompts, got {prompts!r}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; expected at least one token")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    longest = max(len(p) for p in prompts)
-    if max_tokens is None:
-        max_tokens = min(self.max_model_len - longest, DEFAULT_MAX_NEW_TOKENS)
-        if max_tokens < 1:
-            raise ValueError(f"a prompt of {longest} tokens leaves no room in max_model_len={self.max_model_len}; "
-                             "pass max_tokens")
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if longest + max_tokens > self.max_model_len:
-        raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds vLLM's "
-                         f"{self.max_model_len} positions (max_model_len)")
-    return max_tokens, seeds_per_prompt(seed, len(prompts))
+    positions = ((self.max_model_len, "max_model_len"), (self.max_model_len, "vLLM's max_model_len"))
+    return check_generation(prompts, num_samples, max_tokens, temperature, seed, positions)
 
 # %% ../nbs/16_vllm_engine.ipynb #fef0ecf6
 @patch
