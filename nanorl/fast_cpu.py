@@ -159,10 +159,17 @@ def _chunk_softmax(z, softcap, sampler, tgt):
     logits = z if softcap is None else u * (2 * softcap)                        # (n, V): softcapped logits + softcap
     if softcap is not None and sampler is None:                                 # p >= exp(-2 softcap) / V: no underflow
         return u, logits, torch.softmax(logits, dim=-1), None
-    kept = logits if sampler is None else sampler.logits(logits, tgt.squeeze(1))   # (n, V): / T, -inf outside top-k
-    lse = torch.logsumexp(kept, dim=-1, keepdim=True)                           # (n, 1)
-    logp = (logits if sampler is None else logits / sampler.temperature) - lse  # (n, V): shifted to log p, finite
-    return u, logp, kept.sub_(lse).exp_(), logp.new_zeros(logp.shape[0])      # log p's logsumexp: 0
+    if sampler is not None and sampler.temperature != 1:
+        logits.div_(sampler.temperature)                                        # (n, V): a fresh tensor, or z's
+    top = None if sampler is None else sampler.top(logits, tgt.squeeze(1))     # (n, k) values and ids, or None
+    if top is None:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)                     # (n, 1)
+        p = (logits - lse).exp_()                                               # (n, V)
+    else:                                                                       # only k of V entries are not 0
+        lse = top[0].logsumexp(dim=-1, keepdim=True)                            # (n, 1)
+        p = torch.zeros_like(logits).scatter_(1, top[1], (top[0] - lse).exp_())   # (n, V)
+    logp = logits.sub_(lse)                                                     # (n, V): shifted to log p, finite
+    return u, logp, p, logp.new_zeros(logp.shape[0])                           # log p's logsumexp: 0
 
 class SoftcappedNLL(torch.autograd.Function):
     "-log softmax(softcap * tanh(h @ W.T / softcap))[target] (softcap None: of h @ W.T) and the entropy, grads formed."

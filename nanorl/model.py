@@ -455,18 +455,23 @@ class Sampler:
         if not self.temperature > 0:
             raise ValueError(f"a sampler's temperature must be > 0, got {self.temperature}")
 
+    def top(self, scaled, keep=None):
+        "(values, ids) (..., k) of the k largest of `scaled` (..., V), `keep` (...) put in k-th place; None: no top-k."
+        if not self.top_k or self.top_k >= scaled.size(-1):
+            return None
+        vals, idx = scaled.topk(self.top_k, dim=-1)                                           # (..., k) each
+        if keep is not None:                         # a sampled token just outside: it takes the k-th place
+            t = keep.clamp(min=0).unsqueeze(-1)                                                # (..., 1)
+            outside = ~(idx == t).any(-1, keepdim=True)                                       # (..., 1)
+            idx = torch.cat([idx[..., :-1], torch.where(outside, t, idx[..., -1:])], dim=-1)
+            vals = torch.cat([vals[..., :-1], torch.where(outside, scaled.gather(-1, t), vals[..., -1:])], dim=-1)
+        return vals, idx
+
     def logits(self, logits, keep=None):
         "logits (..., V) / temperature, -inf outside the top_k largest; ids `keep` (...) stay inside (-1: none)."
         out = logits / self.temperature if self.temperature != 1 else logits                 # (..., V)
-        if self.top_k and self.top_k < logits.size(-1):
-            idx = out.topk(self.top_k, dim=-1).indices                                         # (..., k)
-            if keep is not None:                     # a sampled token just outside: it takes the k-th place
-                t = keep.clamp(min=0).unsqueeze(-1)                                            # (..., 1)
-                last = torch.where((idx == t).any(-1, keepdim=True), idx[..., -1:], t)
-                idx = torch.cat([idx[..., :-1], last], dim=-1)
-            inside = torch.zeros_like(out, dtype=torch.bool).scatter_(-1, idx, True)         # (..., V)
-            out = out.masked_fill(~inside, float("-inf"))
-        return out
+        top = self.top(out, keep)
+        return out if top is None else torch.full_like(out, float("-inf")).scatter(-1, top[1], top[0])
 
 # %% ../nbs/02_model.ipynb #ed44e270
 def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):

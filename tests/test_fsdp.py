@@ -205,6 +205,7 @@ def test_hf_model_under_fsdp(tmp_path):
     recs = {k: [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()] for k, d in runs.items()}
     (a,), (b,) = recs["ddp"], recs["fsdp"]
     assert_same_step(a, b)
+    assert a["logp_gap_max"] <= 1e-4 and b["logp_gap_max"] <= 1e-4, "sampler and trainer agree on both layouts"
     step = runs["fsdp"] / "step_000000"
     ids = torch.randint(0, 500, (2, 17), generator=torch.Generator().manual_seed(3))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32).eval()
