@@ -1,6 +1,6 @@
 """Sampler against trainer, token by token, on SmolLM2-135M-Instruct in float32 and bfloat16 (run by hand).
 
-`python bench/logp_band.py [--folder DIR] [--problems 8] [--out bench/logp_band.json]` samples `--problems` of the
+`python bench/logp_band.py [--folder DIR] [--problems 8] [--dtypes float32 bfloat16] [--out FILE]` samples `--problems` of the
 real-model run's problems (notebook 15: one-step word problems through SmolLM2's chat template) x 8 samples x 48 new
 tokens at temperature 0.7, top-k 50, with nanorl's engine under the dtype's autocast (as `--dtype` runs it), then
 computes the trainer's log-probs of the same tokens under the same autocast with the sampler's distribution, in passes
@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--folder", default=None, help="SmolLM2's folder (default: the one bench/smollm2.py builds)")
     ap.add_argument("--problems", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).with_name("logp_band.json")))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(2)
     folder = Path(args.folder or smollm2_default())
@@ -74,7 +75,7 @@ def main():
     now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"# {now} | {cpu_label()} | SmolLM2-135M-Instruct, {args.problems} problems x 8 x 48, T 0.7, top-k 50")
     results = {"when": now, "cpu": cpu_label(), "bins": BINS, "runs": {}}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, d) for d in args.dtypes]:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), packed_weights(model):
             batch = rollout(Engine(model, tok), tok, task, problems, sampling, sample_seeds(0, 0, problems), 64)
