@@ -857,7 +857,7 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
     stops = [batch.stops[r] for p in passes for r in p[2].tolist()] if cfg.train_stop and batch.stops else []
     advantages = scores.advantages.to(self.device)                            # (B,)
     stats = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
-    return stats | {"stop_trained": sum(s is not None for s in stops)}
+    return stats | {"stop_trained": sum(s is not None for s in stops), "gap_measured": batch.logprobs is not None}
 
 # %% ../nbs/13_train.ipynb #fdc17304
 @patch
@@ -870,11 +870,12 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
                         "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
                         "tool_calls": batch.tool_calls, "loss": stats["loss"], "logp": stats["logp_sum"],
                         "tokens": stats["tokens"], "entropy": stats["entropy_sum"], "gap": stats["gap_sum"],
-                        "gap_tokens": stats["gap_tokens"], "stop_trained": stats["stop_trained"], **terms},
+                        "gap_tokens": stats["gap_tokens"], "stop_trained": stats["stop_trained"],
+                        "gap_measured": stats["gap_measured"], **terms},
                        self.device, self.world)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
-    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),
-            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1)} if sums["gap_tokens"] else {}
+    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),      # 0 if nothing was trained
+            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1)} if sums["gap_measured"] else {}
     return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world,
             "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
             "zero_signal_frac": sums["zero_signal"] / sums["groups"],
