@@ -399,7 +399,7 @@ def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, see
         suppress = step < pick.min_new_tokens
         ids, logps = self.pick_tokens(raw, keys, step, pick.temperature, pick.top_k, suppress_stop=suppress)  # (b,)
         col, lps = ids.tolist(), logps.tolist()                                         # the host syncs of a step
-        masks, forced_used, live = [1] * len(col), False, rows
+        masks, forced_used = [1] * len(col), False
         if busy or not self.state_tokens.isdisjoint(col):                              # some row changes state
             live = list(rows)                                                           # before any retires
             forced_used, done, retired = self.advance_rows(rows, states, col, masks, busy, retire, stats)

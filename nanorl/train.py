@@ -497,7 +497,7 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
     "Forward and backward every pass (inputs, targets, rows[, engine log-probs]); returns sums over the step's tokens."
     sampler = trained_distribution(cfg)
     ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (notebook 10)
-    sums, gap_max = [], torch.zeros(())           # per pass: loss, logp, entropy, tokens, gap; read once at the end
+    sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
     for inputs, targets, rows, *sampled in passes:
         mask = targets != -1                                                   # (b, T)
         with autocast:
@@ -513,13 +513,13 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
             loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
         gap = (logp.detach().float() - sampled[0].float())[mask].abs() if sampled else logp.new_zeros(0)   # (N,)
-        gap_max = torch.maximum(gap_max, gap.max().cpu()) if gap.numel() else gap_max
+        gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
         sums.append(torch.stack([loss.detach().float(), logp.detach()[mask].float().sum(),
                                  entropy.detach()[mask].float().sum(), mask.sum().float(), gap.sum().float(),
                                  torch.tensor(float(gap.numel()), device=gap.device)]))
     loss, logp, entropy, tokens, gap, gapped = torch.stack(sums).cpu().double().sum(0).tolist() if sums else (0.0,) * 6
     return {"loss": loss, "logp_sum": logp, "entropy_sum": entropy, "tokens": int(tokens), "gap_sum": gap,
-            "gap_tokens": int(gapped), "gap_max": gap_max.item()}
+            "gap_tokens": int(gapped), "gap_max": torch.stack(gap_max).max().item() if gap_max else 0.0}
 
 # %% ../nbs/13_train.ipynb #5b266007
 def use_sparse_embedding_grads(model):
