@@ -6,6 +6,13 @@ PYTHON ?= python3
 # torch==2.13.0 (CPU) is pinned here; with your own CUDA torch already in $(VENV), use CONSTRAINTS=
 CONSTRAINTS ?= constraints.txt
 STAMP := $(VENV)/.nanorl-installed
+# vLLM's CPU build (the extra `vllm`, tests/test_vllm.py) on Linux x86-64 with the CPU torch pin; `make setup VLLM=`
+# leaves it out. Its image, audio and GPU-kernel companions do not match the CPU torch (vLLM then fails to import) and
+# text needs none of them, so they are removed after the install
+VLLM ?= $(if $(CONSTRAINTS),$(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)))
+VLLM_UNUSED := torchvision torchaudio torchcodec triton
+comma := ,
+EXTRAS := dev$(if $(VLLM),$(comma)vllm)
 OFFLINE := HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 SNAPSHOT = find nanorl nbs -maxdepth 1 -type f \( -name '*.py' -o -name '*.ipynb' \) -print0 | sort -z | xargs -0 md5sum
 # On a CPU with AVX-512 the tests marked `numerics` (tests/conftest.py: comparisons whose rounding depends on the CPU's
@@ -19,10 +26,11 @@ AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 $(STAMP): setup.py settings.ini $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[dev]"
+	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
+	$(if $(VLLM),$(BIN)/python -m pip uninstall -q -y $(VLLM_UNUSED))
 	@touch $@
 
-setup: $(STAMP)  ## create .venv and install nanorl with its dev tools
+setup: $(STAMP)  ## create .venv and install nanorl with its dev tools (and vLLM's CPU build on Linux x86-64)
 
 demo: $(STAMP)  ## the embedded default run on CPU
 	$(BIN)/python -m nanorl.demo
@@ -39,7 +47,7 @@ test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tes
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_clean; \
 	 if [ "$$before" != "$$($(SNAPSHOT))" ]; then \
 	   echo "FAIL: nbdev_clean changed nbs/: run nbdev_clean and commit the result"; exit 1; fi
-	$(OFFLINE) $(BIN)/nbdev_test --n_workers 2 --timing
+	$(OFFLINE) $(BIN)/nbdev_test --n_workers 2 --timing$(if $(VLLM), --flags vllm)
 	@$(OFFLINE) $(BIN)/python -m pytest tests/ -q -p no:cacheprovider; rc=$$?; \
 	 if [ $$rc = 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 ifneq ($(AVX512),)

@@ -18,6 +18,7 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
+vllm_requirements = shlex.split(cfg.get('vllm_requirements', ''))  # the extra `vllm`
 lic = licenses[cfg['license'].lower()]
 min_python = cfg['min_python']
 lib_path = cfg.get('lib_path')
@@ -35,7 +36,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=[lib_path, f'{lib_path}.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements},
+    extras_require={'dev': dev_requirements, 'vllm': vllm_requirements},
     python_requires='>=' + cfg['min_python'],
     long_description=open('README.md', encoding='utf-8').read(),
     long_description_content_type='text/markdown',

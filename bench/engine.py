@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from nanochat_peer import add_peer_args, base_dir, cpu_label, last_json, peer_env, run_peer
 
-import nanorl.fast_cpu as M  # the CPU fast paths on, as the trainer runs
+import nanorl.speedups as M  # the CPU fast paths, switched on per model as the trainer does
 from nanorl.engine import Engine, reference_generate, sample_next_token, row_key
 from nanorl.model import GPT, GPTConfig
 
@@ -124,6 +124,7 @@ def nanorl_side(args):
     from nanorl.checkpoint import load_model
 
     model, tok, _ = load_model("sft", "cpu", model_tag="d4", step=0)
+    M.use_fast_paths(model)  # as the trainer runs on a CPU
     ref = Path(args.nanorl_side) / "chatsft_checkpoints" / "d4" / "reference_000000.pt"
     prefix = torch.load(ref, weights_only=True)["prefix"]  # the prompt nanochat's side uses
     eng, kw = Engine(model, tok), dict(temperature=1.0, top_k=50, min_new_tokens=128)
@@ -219,7 +220,7 @@ def main():
         f"{args.threads} threads, float32, best of {args.repeats}"
     )
     for depth in args.depths:
-        model = nanochat_shaped(depth)
+        model = M.use_fast_paths(nanochat_shaped(depth))  # as the trainer runs on a CPU
         V = model.config.vocab_size
         tok, eng = BenchTokenizer(V), Engine(model, BenchTokenizer(V))
         prompt = prompt_ids(100, V, depth)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import nanorl.fast_cpu  # noqa: F401  the CPU fast paths on, as the trainer runs them
+from nanorl.speedups import use_fast_paths  # the CPU fast paths, switched on as the trainer does
 from nanorl.engine import Engine
 from nanorl.llama import ChatTokenizer, load_llama
 from nanorl.real import smollm2_default
@@ -174,7 +174,7 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    ours = load_llama(folder).eval()
+    ours = use_fast_paths(load_llama(folder).eval())
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = ChatTokenizer.from_directory(folder)
     pad_id = hf.generation_config.pad_token_id

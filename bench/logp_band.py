@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from nanorl.engine import Engine
-from nanorl.fast_cpu import packed_weights
+from nanorl.speedups import packed_weights, use_fast_paths
 from nanorl.checkpoint import load_model
 from nanorl.loss import token_logp
 from nanorl.model import Sampler
@@ -68,6 +68,7 @@ def main():
     torch.set_num_threads(2)
     folder = Path(args.folder or smollm2_default())
     model, tok, _ = load_model(folder, "cpu")
+    use_fast_paths(model)  # as the trainer runs on a CPU
     task, _ = real_tasks(0)
     sampler = Sampler(0.7, 50)
     sampling = Sampling(num_samples=8, max_new_tokens=48, temperature=0.7, top_k=50)

@@ -10,6 +10,7 @@ __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_
 # %% ../nbs/06_engine.ipynb #301f3865
 import math, numbers, operator, time
 from collections import deque
+from contextlib import nullcontext
 import torch, torch.nn.functional as F
 from dataclasses import dataclass
 from fastcore.basics import patch
@@ -379,8 +380,15 @@ class Pick:
     min_new_tokens: int = 0
 
 @patch
-@torch.no_grad()
 def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire):
+    "`decode_loop`, inside the block the model's fast paths open for a call when switched on (`13_speedups`)."
+    fast = getattr(self.model, "fast_paths", None)
+    with nullcontext() if fast is None else fast.decoding(self.model, max_tokens):
+        yield from self.decode_loop(prompts, num_samples, max_tokens, pick, seeds, retire)
+
+@patch
+@torch.no_grad()
+def decode_loop(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire):
     "The decoding loop: yields (row ids, tokens, masks, log-probs) per step; with `retire` finished rows get id -1."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples

@@ -43,7 +43,6 @@ class Llama3Scaling:
     high_freq_factor: float
     original_max_position_embeddings: int
 
-# %% ../nbs/03_llama.ipynb #601fe815
 @dataclass
 class DecoderConfig:
     "Hyper-parameters of a Llama / Qwen2 / Qwen3 decoder, as a Hugging Face `config.json` gives them."
@@ -78,7 +77,6 @@ class DecoderConfig:
     def sequence_len(self):
         "The longest sequence the model was trained for (GPTConfig's name for it)."
         return self.max_position_embeddings
-
     @property
     def n_layer(self):
         "The number of decoder layers (GPTConfig's name for it: the loss's shared-prompt cache sizes itself by it)."
@@ -95,10 +93,7 @@ class DecoderConfig:
 # %% ../nbs/03_llama.ipynb #3ae2cb3c
 def rope_settings(cfg, source="config.json"):
     "(rope_theta, Llama3Scaling or None) from transformers 5's `rope_parameters` or 4.x's `rope_theta`/`rope_scaling`."
-    params = cfg.get("rope_parameters")
-    if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params = cfg.get("rope_parameters") or dict(cfg.get("rope_scaling") or {})   # 5.x, else 4.x (or neither)
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if kind == "default":
@@ -143,11 +138,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-
     def forward(self, x):
         "x (..., dim) normalized over its last dimension, times the learned scale."
-        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
-        return self.weight * y
+        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 # %% ../nbs/03_llama.ipynb #8c5176a8
 def rope_inv_freq(head_dim, theta, scaling=None):
@@ -157,8 +150,8 @@ def rope_inv_freq(head_dim, theta, scaling=None):
         return inv_freq
     wavelength = 2 * math.pi / inv_freq
     spread = scaling.high_freq_factor - scaling.low_freq_factor
-    ramp = (scaling.original_max_position_embeddings / wavelength - scaling.low_freq_factor) / spread
-    ramp = ramp.clamp(0.0, 1.0)          # 0: long wavelength, slowed down; 1: short wavelength, kept
+    ramp = ((scaling.original_max_position_embeddings / wavelength - scaling.low_freq_factor) / spread).clamp(0.0, 1.0)
+    # ramp 0: a long wavelength, slowed down; 1: a short one, kept
     return (1 - ramp) * inv_freq / scaling.factor + ramp * inv_freq
 
 def rope_tables(config, seq_len, device=None):
@@ -171,6 +164,7 @@ def rope_tables(config, seq_len, device=None):
 class Attention(nn.Module):
     "Grouped-query attention with rotary positions, optional biases and optional per-head q/k RMSNorm (Qwen3)."
     _sdpa = gpt.CausalSelfAttention._sdpa    # GPT's: SDPA on (B, T, H, D) tensors, GQA when heads differ
+    attend = gpt.CausalSelfAttention.attend  # GPT's, without a window: causal, or through the KV cache
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -183,7 +177,6 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_head * hd, d, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
-
     def forward(self, x, cos, sin, kv_cache=None, ctx=None):
         "x (B, T, d) normalized input; cos/sin (B|1, T, 1, D/2); returns (B, T, d)."
         B, T, _ = x.shape
@@ -196,19 +189,6 @@ class Attention(nn.Module):
         y = self.attend(q, k, v, kv_cache, ctx)                          # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, -1))
 
-    def attend(self, q, k, v, kv_cache, ctx):
-        "Causal attention of q (B, T, H, D) over k, v, or over the cache after writing k, v into it."
-        if kv_cache is None:
-            return self._sdpa(q, k, v, None, is_causal=True)
-        keys, values = kv_cache.update(self.layer_idx, k, v, ctx)        # (B, k_len, H_kv, D)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if ctx["fresh"]:
-            return self._sdpa(q, keys, values, None, is_causal=True)
-        if ctx["uniform"] and q.size(1) == 1:
-            return self._sdpa(q, keys, values, None, is_causal=False)
-        return self._sdpa(q, keys, values, attention_mask(ctx["positions"], ctx["k_len"], None), is_causal=False)
-
-# %% ../nbs/03_llama.ipynb #239748cc
 class SwiGLU(nn.Module):
     "down_proj(silu(gate_proj(x)) * up_proj(x)): the gated MLP of Llama and Qwen."
     def __init__(self, config):
@@ -217,7 +197,6 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(d, h, bias=bias)
         self.up_proj = Linear(d, h, bias=bias)
         self.down_proj = Linear(h, d, bias=bias)
-
     def forward(self, x):
         "(B, T, d) -> (B, T, d)."
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -230,7 +209,6 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
     def forward(self, x, cos, sin, kv_cache=None, ctx=None):
         "The residual stream x (B, T, d) after this layer."
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
@@ -239,6 +217,10 @@ class DecoderLayer(nn.Module):
 # %% ../nbs/03_llama.ipynb #41fa1c5a
 class Llama(nn.Module):
     "A Llama / Qwen2 / Qwen3 decoder with GPT's interface; parameter names are the Hugging Face state-dict keys."
+    fast_paths = None  # as GPT's: None, or the strategy of `13_speedups` that the loss and the head hand off to
+    forward = gpt.forward  # GPT's: logits, or the loss by loss_reduction (and entropies), from hidden -> unembed
+    num_params = gpt.GPT.num_params  # a tied head is one parameter: counted once
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
@@ -281,49 +263,34 @@ class Llama(nn.Module):
         "The device of the weights."
         return self.model.embed_tokens.weight.device
 
-    def num_params(self):
-        "Number of parameters (a tied head counted once)."
-        return sum(p.numel() for p in self.parameters())
+    def hidden(self, idx, kv_cache=None):
+        "Final normalized hidden states (B, T, hidden_size) for token ids idx (B, T), through `kv_cache` if given."
+        ctx, cos, sin = gpt._cache_context(self, idx, kv_cache)                    # cos/sin (B|1, T, 1, D/2)
+        x = self.model.embed_tokens(idx)                                           # (B, T, d)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, ctx)
+        if kv_cache is not None:
+            kv_cache.cache_seqlens += idx.size(1)
+        return self.model.norm(x)
 
-# %% ../nbs/03_llama.ipynb #e9d347e3
-@patch
-def hidden(self: Llama, idx, kv_cache=None):
-    "Final normalized hidden states (B, T, hidden_size) for token ids idx (B, T), through `kv_cache` if given."
-    B, T = idx.shape
-    if kv_cache is None:
-        if T > self.rotary_len:
-            raise ValueError(f"sequence of {T} tokens exceeds max_position_embeddings ({self.rotary_len})")
-        ctx, cos, sin = None, self.cos[None, :T, None], self.sin[None, :T, None]    # (1, T, 1, D/2)
-    else:
-        ctx, cos, sin = gpt._cache_context(self, idx, kv_cache)                    # (B, T, 1, D/2)
-    x = self.model.embed_tokens(idx)                                               # (B, T, d)
-    for layer in self.model.layers:
-        x = layer(x, cos, sin, kv_cache, ctx)
-    if kv_cache is not None:
-        kv_cache.cache_seqlens += T
-    return self.model.norm(x)
+    def unembed(self, h, softcap=True):
+        "float32 logits (..., vocab_size) from hidden states h (..., hidden_size); no softcap, whatever `softcap` says."
+        if self.fast_paths is not None:                                            # switched on: `13_speedups`'s head
+            return self.fast_paths.unembed(self, h)
+        return self.lm_head(h).float()
 
-@patch
-def unembed(self: Llama, h, softcap=True):
-    "float32 logits (..., vocab_size) from hidden states h (..., hidden_size); no softcap, whatever `softcap` says."
-    return self.lm_head(h).float()
-
-@patch
-def new_kv_cache(self: Llama, batch_size, seq_len=None, dtype=torch.float32):
-    "An empty nanorl `KVCache` shaped for this model (seq_len defaults to max_position_embeddings)."
-    c = self.config
-    return KVCache(batch_size, c.num_key_value_heads, seq_len or c.max_position_embeddings, c.head_dim,
-                   c.num_hidden_layers, self.get_device(), dtype)
-
-Llama.forward = gpt.forward   # GPT's: logits, or the loss by loss_reduction (and entropies), from hidden -> unembed
+    def new_kv_cache(self, batch_size, seq_len=None, dtype=torch.float32):
+        "An empty nanorl `KVCache` shaped for this model (seq_len defaults to max_position_embeddings)."
+        c = self.config
+        return KVCache(batch_size, c.num_key_value_heads, seq_len or c.max_position_embeddings, c.head_dim,
+                       c.num_hidden_layers, self.get_device(), dtype)
 
 # %% ../nbs/03_llama.ipynb #3919321c
 SAFETENSORS_INDEX, SAFETENSORS_FILE = "model.safetensors.index.json", "model.safetensors"
 
 def safetensors_files(folder):
     "The weight files of a Hugging Face folder: the shards its index lists, else model.safetensors."
-    folder = Path(folder)
-    index = folder / SAFETENSORS_INDEX
+    folder, index = Path(folder), Path(folder) / SAFETENSORS_INDEX
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [s for s in shards if not (folder / s).exists()]
@@ -345,7 +312,6 @@ def read_weights(files, dtype=torch.float32, device="cpu"):
                 origin[name] = Path(path).name
     return tensors, origin
 
-# %% ../nbs/03_llama.ipynb #59d6a7c9
 def check_weights(model, tensors, origin, folder):
     "Raise a ValueError naming the file for missing, unexpected or wrongly shaped weights."
     expected = model.state_dict()
@@ -367,11 +333,9 @@ def check_weights(model, tensors, origin, folder):
 
 def load_llama(folder, device="cpu", dtype=torch.float32):
     "A `Llama` with the weights of a Hugging Face folder, cast to `dtype`, on `device`."
-    config = DecoderConfig.from_folder(folder)
-    files = safetensors_files(folder)
     with torch.device("meta"):
-        model = Llama(config)
-    tensors, origin = read_weights(files, dtype, device)
+        model = Llama(DecoderConfig.from_folder(folder))
+    tensors, origin = read_weights(safetensors_files(folder), dtype, device)
     check_weights(model, tensors, origin, folder)
     tensors = {n: t for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
     model.load_state_dict(tensors, strict=False, assign=True)
@@ -386,12 +350,8 @@ def setup_optimizers(self: Llama, lr=3e-6, weight_decay=0.0, embedding_lr=None, 
     "AdamW over groups embedding, unembedding, matrix, vector (norms, biases), each at `lr` unless given its own."
     groups = {"embedding": [], "unembedding": [], "matrix": [], "vector": []}
     for name, p in self.named_parameters():     # a tied head is listed once, as the embedding
-        if name.startswith("model.embed_tokens."):
-            groups["embedding"].append(p)
-        elif name.startswith("lm_head."):
-            groups["unembedding"].append(p)
-        else:
-            groups["matrix" if p.ndim >= 2 else "vector"].append(p)
+        embedding, head = name.startswith("model.embed_tokens."), name.startswith("lm_head.")
+        groups["embedding" if embedding else "unembedding" if head else "matrix" if p.ndim >= 2 else "vector"].append(p)
     rates = dict(embedding=embedding_lr, unembedding=unembedding_lr, matrix=matrix_lr, vector=None)
     param_groups = [dict(params=ps, name=n, lr=lr if rates[n] is None else rates[n],
                          weight_decay=0.0 if n == "vector" else weight_decay) for n, ps in groups.items() if ps]
@@ -407,11 +367,9 @@ NANOCHAT_TOOL_TOKENS = ("<|python_start|>", "<|python_end|>", "<|output_start|>"
 def template_tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     "The `tojson` filter of chat templates: plain `json.dumps` (no HTML escaping)."
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
 def template_raise(message):
     "`raise_exception(message)` inside a chat template."
     raise jinja2.exceptions.TemplateError(message)
-
 def template_strftime(fmt):
     "`strftime_now(format)` inside a chat template: the current local time."
     return datetime.now().strftime(fmt)
@@ -425,7 +383,6 @@ def compile_chat_template(source):
     env.globals["strftime_now"] = template_strftime
     return env.from_string(source)
 
-# %% ../nbs/03_llama.ipynb #6c4781c8
 def message_text(content):
     "A message's content as one string: parts joined, a calculator call and its output as GSM8K's `<<expr=result>>`."
     if isinstance(content, str):
@@ -437,8 +394,7 @@ def message_text(content):
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in wrap or not isinstance(part.get("text"), str):
-            raise ValueError(f"expected part {j} to be a dict with type text/python/python_output and a str text, "
-                             f"found {part!r}")
+            raise ValueError(f"expected part {j} as {{'type': text|python|python_output, 'text': str}}, found {part!r}")
         pieces.append(wrap[kind][0] + part["text"] + wrap[kind][1])
     return "".join(pieces)
 
@@ -448,18 +404,15 @@ def template_messages(conversation):
     if not isinstance(messages, list) or not messages:
         raise ValueError("expected a conversation dict with a non-empty 'messages' list, found "
                          + (f"keys {sorted(conversation)}" if isinstance(conversation, dict) else repr(conversation)))
-    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"expected message {i} to be a dict with 'role' and 'content', found {m!r}")
-        out.append({"role": m["role"], "content": message_text(m["content"])})
-    return out
+    return [{"role": m["role"], "content": message_text(m["content"])} for m in messages]
 
 # %% ../nbs/03_llama.ipynb #5f1d68dc
 def read_json(path):
     "The JSON object in `path`, or {} if there is no such file."
-    path = Path(path)
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return json.loads(Path(path).read_text(encoding="utf-8")) if Path(path).exists() else {}
 
 def token_text(entry):
     "A special token's text from a tokenizer config entry: a str, an AddedToken-like dict, or None."
@@ -477,13 +430,13 @@ def find_chat_template(folder, tokenizer_config):
 
 def id_list(value):
     "An int, a list of ints or None, as a list."
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    return [] if value is None else [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
-# %% ../nbs/03_llama.ipynb #de3077ee
 class ChatTokenizer:
     "A Hugging Face tokenizer.json and chat template behind nanorl's `Tokenizer` interface."
+    _token_id = Tokenizer._token_id          # a special token's name or an id, as an id: the same rule
+    encode = __call__ = Tokenizer.encode     # the same framing; only the ordinary encoding, `_ordinary`, differs
+
     def __init__(self, tokenizer, chat_template=None, special_tokens=None, eos_token_ids=(), max_len=None,
                  template_source="chat template"):
         self.tk = tokenizer                                   # special tokens in text are recognized (templates)
@@ -514,59 +467,44 @@ class ChatTokenizer:
     def get_vocab_size(self):
         "Number of token ids, added tokens included (the model's embedding may be larger)."
         return self.tk.get_vocab_size(with_added_tokens=True)
-
     def get_special_tokens(self):
         "The special tokens' texts."
         return set(self._special_ids)
-
     def id_to_token(self, id):
         "The text of one token."
         return self.tk.decode([id], skip_special_tokens=False)
-
     def decode(self, ids):
         "Text of token ids, special tokens included."
         return self.tk.decode(list(ids), skip_special_tokens=False)
-
     def __repr__(self):
-        end = self.id_to_token(self.end_of_turn_id)
-        return f"ChatTokenizer(vocab_size={self.get_vocab_size()}, end_of_turn={end!r})"
+        return f"ChatTokenizer(vocab_size={self.get_vocab_size()}, end_of_turn={self.decode([self.end_of_turn_id])!r})"
+
+    def _ordinary(self, texts, num_threads=None):
+        "Ids of each str in `texts`, no special tokens added or parsed; the tokenizers library picks its own threads."
+        if len(texts) == 1:
+            return [self.plain.encode(texts[0], add_special_tokens=False).ids]
+        return [e.ids for e in self.plain.encode_batch(texts, add_special_tokens=False)]
+
+    def get_bos_token_id(self):
+        "The bos token's id; for families without one (Qwen), the pad token (the document separator), else eos."
+        for key in ("bos_token", "pad_token", "eos_token"):
+            if key in self.special:
+                return self.encode_special(self.special[key])
+        raise ValueError(f"{self.template_source}: the tokenizer config names no bos, pad or eos token")
+
+    def encode_special(self, name):
+        "The id of special token `name`; nanochat's names map to this family's tokens (tool tokens: None)."
+        if name in self._special_ids:
+            return self._special_ids[name]
+        if name == "<|assistant_end|>":
+            return self.end_of_turn_id
+        if name == "<|bos|>":
+            return self.get_bos_token_id()
+        if name in NANOCHAT_TOOL_TOKENS:
+            return None
+        raise ValueError(f"expected a special token ({sorted(self._special_ids)}) or nanochat's name, found {name!r}")
 
 # %% ../nbs/03_llama.ipynb #b8d7764d
-ChatTokenizer._token_id = Tokenizer._token_id   # a special token's name or an id, as an id: the same rule
-ChatTokenizer.encode = Tokenizer.encode         # the same framing; only the ordinary encoding below differs
-
-@patch
-def _ordinary(self: ChatTokenizer, texts, num_threads=None):
-    "Ids of each str in `texts`, no special tokens added or parsed; the tokenizers library picks its own threads."
-    if len(texts) == 1:
-        return [self.plain.encode(texts[0], add_special_tokens=False).ids]
-    return [e.ids for e in self.plain.encode_batch(texts, add_special_tokens=False)]
-
-ChatTokenizer.__call__ = ChatTokenizer.encode
-
-@patch
-def get_bos_token_id(self: ChatTokenizer):
-    "The bos token's id; for families without one (Qwen), the pad token (the document separator), else eos."
-    for key in ("bos_token", "pad_token", "eos_token"):
-        if key in self.special:
-            return self.encode_special(self.special[key])
-    raise ValueError(f"{self.template_source}: the tokenizer config names no bos, pad or eos token")
-
-@patch
-def encode_special(self: ChatTokenizer, name):
-    "The id of special token `name`; nanochat's names map to this family's tokens (tool tokens: None)."
-    if name in self._special_ids:
-        return self._special_ids[name]
-    if name == "<|assistant_end|>":
-        return self.end_of_turn_id
-    if name == "<|bos|>":
-        return self.get_bos_token_id()
-    if name in NANOCHAT_TOOL_TOKENS:
-        return None
-    raise ValueError(f"expected a special token, one of {sorted(self._special_ids)} or nanochat's names, "
-                     f"found {name!r}")
-
-# %% ../nbs/03_llama.ipynb #91402a06
 @patch
 def render_text(self: ChatTokenizer, messages, add_generation_prompt=False):
     "The chat template's text for a list of {role, content: str} messages."
@@ -625,8 +563,7 @@ def assistant_spans(self: ChatTokenizer, messages, text):
         before = self.render_text(messages[:i], add_generation_prompt=True)
         through = self.render_text(messages[:i + 1])
         if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(f"{self.template_source}: the template renders message {i} differently depending on what "
-                             "follows, so its span (and the loss mask) cannot be located")
+            raise ValueError(f"{self.template_source}: message {i} renders differently by what follows: no loss mask")
         spans.append((len(before), len(through)))
     return spans
 
@@ -643,9 +580,7 @@ def render_conversation(self: ChatTokenizer, conversation, max_tokens=None):
         for j in inside:
             if not closing or j <= closing[-1]:
                 mask[j] = 1
-    if max_tokens is not None:
-        ids, mask = ids[:max_tokens], mask[:max_tokens]
-    return ids, mask
+    return ids[:max_tokens], mask[:max_tokens]                         # max_tokens None: all of them
 
 @patch
 def render_for_completion(self: ChatTokenizer, conversation):

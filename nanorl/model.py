@@ -6,7 +6,6 @@
 from __future__ import annotations
 import functools
 import math
-import time
 import warnings
 from dataclasses import dataclass
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'NS_COEFFICIENTS',
            'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed',
            'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'Sampler',
-           'newton_schulz', 'matmul_seconds', 'native_cpu_bf16', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
+           'newton_schulz', 'native_cpu_bf16', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -118,19 +117,27 @@ def has_value_embed(layer_idx, n_layer):
 
 def attention_mask(q_pos, k_len, window):
     "Boolean (B, 1, Tq, k_len) mask: key j is visible from query position p iff j <= p and p - j <= window."
-    k_pos = torch.arange(k_len, device=q_pos.device)
-    diff = q_pos[:, None, :, None] - k_pos                                  # (B, 1, Tq, k_len)
-    keep = diff >= 0
-    if window is not None:
-        keep = keep & (diff <= window)
-    return keep
+    diff = q_pos[:, None, :, None] - torch.arange(k_len, device=q_pos.device)   # (B, 1, Tq, k_len): p - j
+    return (diff >= 0) if window is None else (diff >= 0) & (diff <= window)
 
 # %% ../nbs/02_model.ipynb #3e6d1572
 class Linear(nn.Linear):
     "nn.Linear, without a bias unless asked: the weight matrices of both model families, under nn.Linear's names."
+    pack = None  # a faster copy of the weight for calls without a gradient, set by `13_speedups`'s `packed_weights`
+
     def __init__(self, in_features, out_features, bias=False):
         super().__init__(in_features, out_features, bias=bias)
 
+    def forward(self, x):
+        "(..., in) -> (..., out): `F.linear`, or the packed copy when there is one and no gradient is wanted."
+        if self.pack is None:
+            return F.linear(x, self.weight, self.bias)
+        grads = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad) or x.requires_grad
+        return F.linear(x, self.weight, self.bias) if torch.is_grad_enabled() and grads else self.pack(x)
+
+    def __getstate__(self):
+        "Deep copies and pickles leave a packed copy behind."
+        return {**self.__dict__, "pack": None}
 
 # %% ../nbs/02_model.ipynb #1c9920d6
 class CausalSelfAttention(nn.Module):
@@ -158,28 +165,29 @@ class CausalSelfAttention(nn.Module):
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k = norm(q) * self.qk_scale, norm(k) * self.qk_scale
+        y = self.attend(q, k, v, kv_cache, ctx, window)                             # (B, T, H, D)
+        return self.c_proj(y.reshape(B, T, -1))                                     # (B, T, d)
+
+    def attend(self, q, k, v, kv_cache, ctx, window=None):
+        "Causal attention of q (B, T, H, D) within `window` over k, v, or over the cache after writing k, v into it."
+        T = q.size(1)
         if kv_cache is None:
             cut = window is not None and T - 1 > window
-            mask = attention_mask(torch.arange(T, device=x.device)[None], T, window) if cut else None
-            y = self._sdpa(q, k, v, mask, is_causal=not cut)
-        else:
-            keys, values = kv_cache.update(self.layer_idx, k, v, ctx)              # (B, k_len, H_kv, D)
-            keys, values, k_len = keys.to(q.dtype), values.to(q.dtype), ctx["k_len"]
-            if ctx["fresh"] and (window is None or T - 1 <= window):
-                y = self._sdpa(q, keys, values, None, is_causal=True)
-            elif ctx["uniform"] and T == 1 and (window is None or k_len - 1 <= window):
-                y = self._sdpa(q, keys, values, None, is_causal=False)
-            else:
-                mask = attention_mask(ctx["positions"], k_len, window)             # (B, 1, T, k_len)
-                y = self._sdpa(q, keys, values, mask, is_causal=False)
-        return self.c_proj(y.reshape(B, T, -1))                                     # (B, T, d)
+            mask = attention_mask(torch.arange(T, device=q.device)[None], T, window) if cut else None
+            return self._sdpa(q, k, v, mask, is_causal=not cut)
+        keys, values = kv_cache.update(self.layer_idx, k, v, ctx)                  # (B, k_len, H_kv, D)
+        keys, values, k_len = keys.to(q.dtype), values.to(q.dtype), ctx["k_len"]
+        if ctx["fresh"] and (window is None or T - 1 <= window):
+            return self._sdpa(q, keys, values, None, is_causal=True)
+        if ctx["uniform"] and T == 1 and (window is None or k_len - 1 <= window):
+            return self._sdpa(q, keys, values, None, is_causal=False)
+        return self._sdpa(q, keys, values, attention_mask(ctx["positions"], k_len, window), is_causal=False)
 
     def _sdpa(self, q, k, v, mask, is_causal):
         "SDPA on (B, T, H, D) tensors, returns (B, T, H, D)."
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            is_causal=is_causal, enable_gqa=self.n_head != self.n_kv_head)
         return y.transpose(1, 2)
-
 
 # %% ../nbs/02_model.ipynb #8950ce6a
 class MLP(nn.Module):
@@ -216,59 +224,47 @@ class KVCache:
     @property
     def batch_size(self):
         return self.k_cache.shape[1]
-
-    def reset(self):
-        "Forget everything (positions back to 0)."
-        self.cache_seqlens.zero_()
-        self.prev_embedding = None
-
     def get_pos(self):
         "The largest number of tokens stored in any row."
         return int(self.cache_seqlens.max()) if self.batch_size else 0
-
     def update(self, layer, k, v, ctx):
         "Write keys/values (B, T, H_kv, D) at each row's positions; return the layer's first k_len slots."
         kc, vc = self.k_cache[layer], self.v_cache[layer]                      # (B, T_max, H_kv, D)
         kc[ctx["rows"], ctx["positions"]] = k.to(kc.dtype)
         vc[ctx["rows"], ctx["positions"]] = v.to(vc.dtype)
         return kc[:, :ctx["k_len"]], vc[:, :ctx["k_len"]]
-
     def remember_last(self, x):
         "Keep the last position of x (B, T, d) for the next forward's smear; decoding needs no gradient through it."
         self.prev_embedding = x[:, -1:].detach().clone()
-
-
-# %% ../nbs/02_model.ipynb #ea9b4d63
-def prefill_rows(self: KVCache, other, rows):
-    "Copy batch-1 cache `other` (keys, values, position, smear state) into each of `rows`."
-    if other.batch_size != 1:
-        raise ValueError(f"prefill_rows expects a batch-1 cache, got batch {other.batch_size}")
-    n = other.get_pos()
-    if n > self.max_seq_len:
-        raise ValueError(f"source holds {n} tokens, this cache has room for {self.max_seq_len}")
-    rows = torch.as_tensor(rows, dtype=torch.long, device=self.k_cache.device).view(-1)
-    self.k_cache[:, rows, :n] = other.k_cache[:, :1, :n].to(self.k_cache)
-    self.v_cache[:, rows, :n] = other.v_cache[:, :1, :n].to(self.v_cache)
-    self.cache_seqlens[rows] = n
-    if other.prev_embedding is not None:
-        if self.prev_embedding is None:
-            self.prev_embedding = other.prev_embedding.new_zeros(self.batch_size, *other.prev_embedding.shape[1:])
-        self.prev_embedding[rows] = other.prev_embedding[0]
-
-def select_rows(self: KVCache, index):
-    "Keep only rows `index` (in that order), e.g. to retire finished rows."
-    index = torch.as_tensor(index, dtype=torch.long, device=self.k_cache.device).view(-1)
-    self.k_cache, self.v_cache = self.k_cache[:, index], self.v_cache[:, index]
-    self.cache_seqlens = self.cache_seqlens[index]
-    if self.prev_embedding is not None:
-        self.prev_embedding = self.prev_embedding[index]
-    return self
-KVCache.prefill_rows, KVCache.select_rows = prefill_rows, select_rows
-
+    def prefill_rows(self, other, rows):
+        "Copy batch-1 cache `other` (keys, values, position, smear state) into each of `rows`."
+        if other.batch_size != 1:
+            raise ValueError(f"prefill_rows expects a batch-1 cache, got batch {other.batch_size}")
+        n = other.get_pos()
+        if n > self.max_seq_len:
+            raise ValueError(f"source holds {n} tokens, this cache has room for {self.max_seq_len}")
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.k_cache.device).view(-1)
+        self.k_cache[:, rows, :n] = other.k_cache[:, :1, :n].to(self.k_cache)
+        self.v_cache[:, rows, :n] = other.v_cache[:, :1, :n].to(self.v_cache)
+        self.cache_seqlens[rows] = n
+        if other.prev_embedding is not None:
+            if self.prev_embedding is None:
+                self.prev_embedding = other.prev_embedding.new_zeros(self.batch_size, *other.prev_embedding.shape[1:])
+            self.prev_embedding[rows] = other.prev_embedding[0]
+    def select_rows(self, index):
+        "Keep only rows `index` (in that order), e.g. to retire finished rows."
+        index = torch.as_tensor(index, dtype=torch.long, device=self.k_cache.device).view(-1)
+        self.k_cache, self.v_cache = self.k_cache[:, index], self.v_cache[:, index]
+        self.cache_seqlens = self.cache_seqlens[index]
+        if self.prev_embedding is not None:
+            self.prev_embedding = self.prev_embedding[index]
+        return self
 
 # %% ../nbs/02_model.ipynb #9586357d
 class GPT(nn.Module):
     "nanochat's GPT (both generations, chosen by `config.generation`)."
+    fast_paths = None  # None: the plain methods; switched on, the strategy they hand off to (`13_speedups`)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config, arch = config, config.arch
@@ -304,7 +300,6 @@ class GPT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
 
 # %% ../nbs/02_model.ipynb #e17f085d
 def init_rotary(self: GPT, device=None):
@@ -343,11 +338,14 @@ def init_weights(self: GPT):
             nn.init.uniform_(emb.weight, -s, s)
 GPT.init_rotary, GPT.init_weights = init_rotary, init_weights
 
-
 # %% ../nbs/02_model.ipynb #5ca6b3cf
 def _cache_context(self: GPT, idx, kv_cache):
-    "Positions (B, T), rotary tables and attention bookkeeping for one forward through `kv_cache`."
+    "Attention bookkeeping (None without a cache) and the rotary tables cos/sin (B|1, T, 1, D/2) of one forward."
     B, T = idx.shape
+    if kv_cache is None:
+        if T > self.rotary_len:
+            raise ValueError(f"sequence of {T} tokens exceeds the rotary table ({self.rotary_len} positions)")
+        return None, self.cos[None, :T, None], self.sin[None, :T, None]             # (1, T, 1, D/2)
     if kv_cache.batch_size != B:
         raise ValueError(f"kv_cache has {kv_cache.batch_size} rows, input has {B}")
     start = kv_cache.cache_seqlens                                              # (B,)
@@ -375,18 +373,11 @@ def _smear(self: GPT, x, kv_cache):
     return x + gate * shifted
 GPT._cache_context, GPT._smear = _cache_context, _smear
 
-
 # %% ../nbs/02_model.ipynb #f47a58fd
 def hidden(self: GPT, idx, kv_cache=None):
     "Final normalized hidden states (B, T, n_embd) for token ids idx (B, T)."
-    B, T = idx.shape
     arch = self.config.arch
-    if kv_cache is None:
-        if T > self.rotary_len:
-            raise ValueError(f"sequence of {T} tokens exceeds the rotary table ({self.rotary_len})")
-        ctx, cos, sin = None, self.cos[None, :T, None], self.sin[None, :T, None]    # cos/sin (1, T, 1, D/2)
-    else:
-        ctx, cos, sin = self._cache_context(idx, kv_cache)                          # cos/sin (B, T, 1, D/2)
+    ctx, cos, sin = self._cache_context(idx, kv_cache)                              # cos/sin (B|1, T, 1, D/2)
     x = norm(self.transformer.wte(idx))                                         # (B, T, d)
     if arch.smear:
         x = self._smear(x, kv_cache)
@@ -401,18 +392,15 @@ def hidden(self: GPT, idx, kv_cache=None):
     if arch.smear:
         x = x - self.backout_lambda * x_backout
     if kv_cache is not None:
-        kv_cache.cache_seqlens += T
+        kv_cache.cache_seqlens += idx.size(1)
     return norm(x)
 GPT.hidden = hidden
-
 
 # %% ../nbs/02_model.ipynb #47da1254
 def unembed(self: GPT, h, softcap=True):
     "float32 logits (..., vocab_size) from hidden states h (..., n_embd), softcapped unless softcap=False."
     logits = self.lm_head(h)[..., : self.config.vocab_size].float()          # (..., V): the padding rows dropped
-    if not softcap:
-        return logits
-    return self.softcap * torch.tanh(logits / self.softcap)
+    return self.softcap * torch.tanh(logits / self.softcap) if softcap else logits
 
 def check_loss_request(idx, targets, loss_reduction, with_entropy):
     "Raise a ValueError where `forward`'s targets, loss_reduction and with_entropy don't fit together."
@@ -428,6 +416,8 @@ def check_loss_request(idx, targets, loss_reduction, with_entropy):
 def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", with_entropy=False,
             entropy_grad=False, sampler=None):
     "Logits (B, T, V); with targets the cross-entropy by `loss_reduction` and, with_entropy, the entropies (B*T,)."
+    if targets is not None and self.fast_paths is not None:                    # switched on: `13_speedups`'s loss
+        return self.fast_paths.loss(self, idx, targets, kv_cache, loss_reduction, with_entropy, entropy_grad, sampler)
     check_loss_request(idx, targets, loss_reduction, with_entropy)
     logits = self.unembed(self.hidden(idx, kv_cache))                           # (B, T, V) float32, softcapped
     if sampler is not None:                                                     # the distribution sampled from
@@ -498,23 +488,9 @@ def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
     return X.T if tall else X
 
 # %% ../nbs/02_model.ipynb #c66d8a47
-def matmul_seconds(dtype, n=128, k=512, repeats=3):
-    "Best time of one (n, k) @ (k, n) product in `dtype` on the CPU, after a warm-up."
-    x = torch.randn(n, k).to(dtype)
-    best = float("inf")
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        x @ x.T
-        if i > 0:
-            best = min(best, time.perf_counter() - start)
-    return best
-
 def native_cpu_bf16() -> bool:
     "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's own CPU feature check reports it."
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if None in checks:                                          # a torch without the checks: time one product each
-        return matmul_seconds(torch.bfloat16) < matmul_seconds(torch.float32)
-    return any(check() for check in checks)
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()     # torch >= 2.9 has both
 
 @functools.cache
 def fast_matmul_dtype(device_type: str) -> torch.dtype:
@@ -532,10 +508,9 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype  # None: fast_matmul_dtype of each parameter's device
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon updates matrices only, found a parameter of shape {tuple(p.shape)}")
+        shapes = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.ndim != 2]
+        if shapes:
+            raise ValueError(f"Muon updates matrices only, found a parameter of shape {shapes[0]}")
 
     @torch.no_grad()
     def step(self):
@@ -545,10 +520,9 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buf = self.state[p]["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - m)                                     # buf = m buf + (1 - m) grad
                 update = p.grad.lerp(buf, m) if group["nesterov"] else buf   # Nesterov: look one step ahead
                 update = self.orthogonalize(update, group)
@@ -564,25 +538,20 @@ class MultiOptimizer:
     "Several torch optimizers stepped as one, with a single flat `param_groups` list (for LR schedules)."
     def __init__(self, optimizers):
         self.optimizers = list(optimizers)
-
     @property
     def param_groups(self):
         return [g for opt in self.optimizers for g in opt.param_groups]
-
     def step(self):
         "One step of every optimizer."
         for opt in self.optimizers:
             opt.step()
-
     def zero_grad(self, set_to_none=True):
         "Clear the gradients of every optimizer's parameters."
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-
     def state_dict(self):
         "The optimizers' states, in order, under one key."
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
     def load_state_dict(self, state):
         "Restore the states written by `state_dict` (same optimizers, same order)."
         states = state.get("optimizers") if isinstance(state, dict) else None
@@ -591,10 +560,8 @@ class MultiOptimizer:
             raise ValueError(f"expected a state dict with {len(self.optimizers)} optimizer states, found {found}")
         for opt, s in zip(self.optimizers, states):
             opt.load_state_dict(s)
-
     def __repr__(self):
         return f"MultiOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
-
 
 # %% ../nbs/02_model.ipynb #d3eb063b
 def setup_optimizers(self: GPT, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,

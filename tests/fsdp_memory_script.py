@@ -1,4 +1,4 @@
-"Run by tests/test_fsdp.py (and notebook 13) under torchrun: what one rank holds with DDP or FSDP, written as JSON."
+"Run by tests/test_fsdp.py under torchrun: what one rank holds with DDP or FSDP, as JSON (quoted in `14_scale`)."
 
 import json, sys
 from pathlib import Path
@@ -7,18 +7,8 @@ import torch
 import torch.distributed as dist
 
 from nanorl.model import GPT, GPTConfig
-from nanorl.train import (
-    Config,
-    build_optimizer,
-    gathered,
-    held_bytes,
-    memory_per_rank,
-    peak_memory,
-    reset_peak_memory,
-    shard_model,
-    shard_units,
-    sync_and_step,
-)
+from nanorl.scale import gathered, held_bytes, memory_per_rank, peak_memory, reset_peak_memory, shard_model, shard_units
+from nanorl.train import Config, build_optimizer, sync_and_step
 
 SHAPE = GPTConfig(sequence_len=128, vocab_size=16384, n_layer=4, n_head=2, n_kv_head=2, n_embd=256)  # 20M parameters
 

@@ -1,4 +1,4 @@
-"Property tests for nanorl.advantages beyond the notebook's examples."
+"Property tests for nanorl.advantages beyond the notebook's examples, and the policy gradient they feed."
 
 import pytest
 import torch
@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from nanorl.advantages import (
     ADVANTAGE_METHODS,
+    as_groups,
     compute_advantages,
     mean_advantages,
     zero_signal_groups,
@@ -59,3 +60,26 @@ def test_population_std_option():
 def test_bad_method():
     with pytest.raises(ValueError, match="method must be one of"):
         compute_advantages([0.0, 1.0], 2, "max")
+
+
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_score_function_estimate_with_group_baselines(G):
+    """On a one-step softmax policy, mean(A * grad log pi) with nanorl's advantages is grad J (rloo, none) or
+    (G - 1)/G grad J (the group mean includes the sample), each within 4 standard errors of the per-group estimates."""
+    gen = torch.Generator().manual_seed(G)
+    theta = torch.tensor([0.5, -0.3, 1.0, 0.0, -1.0], dtype=torch.float64)
+    r = torch.tensor([1.0, 0.0, 0.3, 1.0, 0.0], dtype=torch.float64)
+    pi = torch.softmax(theta, -1)
+    exact = torch.func.grad(lambda th: (torch.softmax(th, -1) * r).sum())(theta)  # (K,)
+    groups = 100_000 // G
+    y = torch.multinomial(pi.expand(groups, -1), G, replacement=True, generator=gen)  # (groups, G)
+    score = torch.nn.functional.one_hot(y, 5).double() - pi  # (groups, G, K): grad log pi(y)
+    variance = {}
+    for method, scale in (("none", 1.0), ("rloo", 1.0), ("mean", (G - 1) / G)):
+        A = r[y] if method == "none" else as_groups(compute_advantages(r[y].flatten(), G, method), G)
+        per_group = (A[..., None] * score).mean(1)  # (groups, K), independent across groups
+        est, se = per_group.mean(0), per_group.std(0) / groups**0.5
+        assert ((est - scale * exact).abs() <= 4 * se).all(), method
+        assert not ((-est - scale * exact).abs() <= 4 * se).all(), "a flipped sign must be caught"
+        variance[method] = per_group.var(0).sum().item() * G  # per answer drawn
+    assert variance["rloo"] < 0.8 * variance["none"]  # the baseline shrinks the variance

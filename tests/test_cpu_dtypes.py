@@ -3,7 +3,7 @@
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nanorl.fast_cpu  # noqa: F401  the trainer's CPU fast paths are part of the hot paths
+from nanorl.speedups import use_fast_paths
 import nanorl.model as M
 from nanorl.engine import Engine
 from nanorl.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ class MatmulDtypes(TorchDispatchMode):
 def hot_path_dtypes():
     "Matmul dtypes of one training step (forward, backward, Muon + AdamW step) and one sampled generation."
     torch.manual_seed(0)
-    model = fixture_model("head").train()
+    model = use_fast_paths(fixture_model("head").train())  # as the trainer runs on a CPU: the fast paths on
     opt = model.setup_optimizers()
     x = torch.randint(0, model.config.vocab_size, (2, 17))
     engine = Engine(model, Tokenizer.from_directory(FIX / "tokenizer"))

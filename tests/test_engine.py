@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest, torch
 from doubles import BiasedModel, ScriptedModel, load_fixture_model, tool_bias
 from rounding import LOGITS_ATOL, assert_greedy_agrees, assert_sampled_agrees
-import nanorl.fast_cpu as fast_cpu  # the engine's CPU fast paths, switched on for the whole file
+import nanorl.speedups as speedups  # the CPU fast paths: a test switches its model on where it wants them
 
 from nanorl.engine import Engine, reference_generate, sample_next_token, use_calculator, row_key, gumbel_noise
 
@@ -119,13 +119,14 @@ def logits_before(model, prefix, tokens):
         return model.unembed(model.hidden(ids))[0, len(prefix) - 1 : -1].float()
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("gen", ["head", "oct2025"])
-def test_greedy_equals_nanochat(gen, tok):
+def test_greedy_equals_nanochat(gen, fast, tok):
     """Greedy sequences, masks and stream columns as nanochat's Engine gave them (on another machine), token for token
     up to a near tie (two logits within 2 x LOGITS_ATOL) that the two computations' rounding may break differently;
     past it the prefixes differ and nothing more is compared (tests/rounding.py)."""
     ref = torch.load(FIX / f"reference_{gen}.pt", weights_only=True)
-    model = load_fixture_model(gen)
+    model = speedups.use_fast_paths(load_fixture_model(gen), fast)  # the plain engine, and the CPU fast paths
     eng = Engine(model, tok)
     prefix = [int(t) for t in ref["engine_prefix"]]
     seqs, masks = eng.generate_batch(prefix, num_samples=2, max_tokens=24, temperature=0.0, top_k=None, seed=42)
@@ -371,31 +372,31 @@ def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, pro
 
 # ---------------------------------------------------------------- the packed head
 def test_packed_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch):
-    model = load_fixture_model("head")
+    model = speedups.use_fast_paths(load_fixture_model("head"))
     h = torch.randn(5, model.config.n_embd)
-    monkeypatch.setattr(fast_cpu, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
-    with torch.no_grad(), fast_cpu.packed_weights(model):
+    monkeypatch.setattr(speedups, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
+    with torch.no_grad(), speedups.packed_weights(model):
         assert model.lm_head.pack is not None
         packed = model.unembed(h, softcap=False)
     with torch.no_grad():
         assert torch.allclose(packed, model.unembed(h, softcap=False), atol=1e-4)
-    packs, real = [], fast_cpu.PackedLinear
+    packs, real = [], speedups.PackedLinear
     def count(weight, bias=None):
         packs.append(tuple(weight.shape))
         return real(weight, bias)
 
-    monkeypatch.setattr(fast_cpu, "PackedLinear", count)
+    monkeypatch.setattr(speedups, "PackedLinear", count)
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
-    eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS - 1, seed=1)
+    eng.generate_batch(prompt, 2, speedups.PACK_MIN_TOKENS - 1, seed=1)
     assert packs == []  # too short to pay for packing
-    eng.generate_batch(prompt, 2, fast_cpu.PACK_MIN_TOKENS, seed=1)
+    eng.generate_batch(prompt, 2, speedups.PACK_MIN_TOKENS, seed=1)
     assert packs.count((model.config.vocab_size, model.config.n_embd)) == 1  # the head, once per generate call
 
 
 def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
-    model = load_fixture_model("head")
+    model = speedups.use_fast_paths(load_fixture_model("head"))
     mlp = model.transformer.h[0].mlp.c_fc
-    monkeypatch.setattr(fast_cpu, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
+    monkeypatch.setattr(speedups, "onednn_pays", lambda out_features, in_features: True)  # the tiny shapes too
     seen = []
     real = Engine.pick_tokens
     monkeypatch.setattr(
@@ -410,6 +411,9 @@ def test_long_calls_decode_inside_the_packed_weights_block(tok, monkeypatch):
     seen.clear()
     eng.generate_batch(prompt, 2, 4, seed=3)
     assert seen and not any(seen)  # too short: no block
+    seen.clear()
+    Engine(speedups.use_fast_paths(model, on=False), tok).generate_batch(prompt, 2, 12, seed=3)
+    assert seen and not any(seen)  # switched off: the plain loop, no block
 
 
 def test_pick_tokens_leaves_its_input_alone(tok, tool_model):

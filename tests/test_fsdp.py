@@ -14,7 +14,7 @@ from doubles import NANOCHAT_HEAD, base_dir, checkpoints_of, records, save_tiny_
 from nanorl.checkpoint import load_model
 from nanorl.model import fast_matmul_dtype
 from nanorl.train import Config, validate
-from rounding import EVALUATION, GRAD_NORM_RTOL, assert_same_step, assert_updates_agree, nanochat_muon_names
+from rounding import EVALUATION, GRAD_NORM_RTOL, LOGP_ATOL, assert_same_step, assert_updates_agree, nanochat_muon_names
 from test_reliability import (
     ENV,
     assert_same_run_end,
@@ -66,7 +66,8 @@ def test_fsdp_equals_ddp(fsdp_run, tmp_path):
     (a,), (b,) = (records(base, drop_timing=True) for base in runs.values())
     assert_same_step(a, b)
     assert 0 < a["reward"] < 1, "the toy reward should vary within groups"
-    assert b == records(fsdp_run, drop_timing=True)[0], "the 6-step run's first step is this one (same arithmetic)"
+    (c,) = gaps_apart([b], records(fsdp_run, drop_timing=True)[:1])
+    assert b == c, "the 6-step run's first step is this one (same arithmetic)"
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records(fsdp_run))
     start = start_weights()
     assert_updates_agree(
@@ -87,7 +88,21 @@ def test_fsdp_is_ddp_without_the_shared_prompt(fsdp_run, tmp_path):
         assert_same_tensors(load(ddp, name), load(fsdp_run, name), name)
     a, b = records(ddp, drop_timing=True), records(fsdp_run, drop_timing=True)
     assert [r.pop("grad_norm") for r in a] == pytest.approx([r.pop("grad_norm") for r in b], rel=GRAD_NORM_RTOL)
-    assert a == b
+    assert a == gaps_apart(a, b)
+
+
+def gaps_apart(a, b):
+    """b's records with a's logp_gap fields where the two lie within LOGP_ATOL (else b's, so the comparison fails). The
+    engine's side of the gap comes from packed or plain products as each process's one-time timing decides (notebook
+    13_speedups: `onednn_pays`), so two processes may log gaps a rounding apart from the same samples and weights."""
+    out = []
+    for x, y in zip(a, b, strict=True):
+        y = dict(y)
+        for k in ("logp_gap_max", "logp_gap_mean"):
+            if k in x and k in y and abs(x[k] - y[k]) <= LOGP_ATOL:
+                y[k] = x[k]
+        out.append(y)
+    return out
 
 
 def test_fsdp_checkpoint_is_nanochats_layout(fsdp_run):

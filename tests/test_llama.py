@@ -387,9 +387,10 @@ def test_template_in_tokenizer_config(chat_folders, tmp_path):
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
 def test_shared_prompt_pass_equals_plain(tmp_path, model_type):
-    "The loss's shared-prompt pass (the prompt run once, in a GraphKVCache) gives the plain forward's values and grads."
+    "The speed room's shared-prompt pass (the prompt once, in a GraphKVCache) gives the plain path's values and grads."
     from nanorl.checkpoint import load_model
-    from nanorl.loss import shared_prefix_len, token_logp
+    from nanorl.loss import token_logp
+    from nanorl.speedups import shared_prefix_len, shared_token_logp
 
     save_tiny_hf_model(model_type, tmp_path)
     model, tok, _ = load_model(tmp_path, "cpu")
@@ -402,9 +403,9 @@ def test_shared_prompt_pass_equals_plain(tmp_path, model_type):
     targets[:, -1] = -1
     assert shared_prefix_len(inputs, targets) == P - 1
     runs = []
-    for share in (False, True):
+    for fn in (token_logp, shared_token_logp):
         model.zero_grad()
-        logp = token_logp(model, inputs, targets, share_prefix=share)
+        logp = fn(model, inputs, targets)
         logp.sum().backward()
         runs.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (plain, g_plain), (shared, g_shared) = runs

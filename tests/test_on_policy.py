@@ -9,6 +9,7 @@ largest entry at 1e-4: the from-scratch path and nanorl's differ in the order of
 """
 
 import json, os, shutil, subprocess, sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from doubles import FIXTURES, demo_sft, load_fixture_model, nanochat_tokenizer, save_tiny_hf_model, small_run
 from nanorl.engine import Engine
-from nanorl.fast_cpu import packed_weights, switched_off
+from nanorl.speedups import packed_weights, shared_token_logp, use_fast_paths
 from nanorl.loss import pg_loss, token_logp, token_sum
 from nanorl.model import Sampler
 from nanorl.rollout import Rollout, Sampling, collate, collate_logprobs, rollout, sample_seeds, score, trained_rows
@@ -99,9 +100,9 @@ def scratch_objective(model, inputs, targets, adv, temperature, top_k, coef):
 
 
 def nanorl_objective(model, inputs, targets, adv, sampler, coef):
-    "The same objective through nanorl's token_logp (shared prompt, fused loss where switched on) and pg_loss."
+    "The same objective through the trainer's shared_token_logp (prompt once, fused loss where switched on), pg_loss."
     mask = targets != -1
-    logp, entropy = token_logp(model, inputs, targets, with_entropy=True, entropy_grad=coef > 0, sampler=sampler)
+    logp, entropy = shared_token_logp(model, inputs, targets, with_entropy=True, entropy_grad=coef > 0, sampler=sampler)
     n = float(mask.sum())
     return pg_loss(logp, adv, mask, "token", n) - coef * token_sum(entropy, mask, "token", n)
 
@@ -122,7 +123,8 @@ def test_loss_gradient_is_the_samplers(tmp_path, family, path):
     adv = torch.tensor([1.0, -0.5, 0.25])
     params = [p for p in model.parameters() if p.requires_grad]
     scratch = torch.autograd.grad(scratch_objective(model, inputs, targets, adv, 0.7, 3, 0.1), params)
-    with switched_off() if path == "plain" else packed_weights(model):
+    use_fast_paths(model, on=path == "fast")
+    with packed_weights(model) if path == "fast" else nullcontext():
         ours = torch.autograd.grad(nanorl_objective(model, inputs, targets, adv, Sampler(0.7, 3), 0.1), params)
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(ours, scratch))
     assert worst < 1e-4, worst

@@ -18,6 +18,8 @@ GPU_VENV = "python3 -m venv .venv && .venv/bin/pip install torch --index-url htt
 COVERED = {
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --run=my_run": "test_torchrun_lines",
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --data-dir=/data/gsm8k": "test_torchrun_lines",
+    "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --model-path=/models/Qwen2.5-1.5B-Instruct --fsdp "
+    "--task=countdown": "test_torchrun_hf_line",
     "python -m nanorl.train --help": "test_train_help",
     "make real": "test_make_real",
     GPU_VENV: "test_gpu_setup",
@@ -113,6 +115,25 @@ def test_torchrun_lines(tmp_path, line, nproc):
     assert meta["step"] == 0
     if "--run=my_run" in line:  # only a named run starts (here: disabled) wandb, so the name reached nanorl.train
         assert (ckpt / "wandb_run_id").is_file()
+
+
+def test_torchrun_hf_line(tmp_path):
+    "The README's Hugging Face line as written (FSDP2, Countdown) on two gloo ranks, a tiny Qwen2 folder for the model."
+    from doubles import save_tiny_hf_model
+
+    (line,) = commands_of("test_torchrun_hf_line")
+    folder = tmp_path / "Qwen2.5-1.5B-Instruct"
+    save_tiny_hf_model("qwen2", folder)
+    words = [TORCHRUN if w == "torchrun" else w for w in line.split()]
+    words = [w.replace("/models/Qwen2.5-1.5B-Instruct", str(folder)).replace("=8", "=2") for w in words]
+    tiny = ["--device-type", "cpu", "--num-steps", "1", "--examples-per-step", "2", "--num-samples", "2",
+            "--device-batch-size", "2", "--max-new-tokens", "8", "--eval-every", "100", "--eval-examples", "2",
+            "--save-every", "100", "--output-dir", str(tmp_path / "out")]
+    run_or_fail([*words, *tiny], cwd=tmp_path)
+    (metrics,) = (tmp_path / "out").rglob("metrics.jsonl")
+    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    assert [r["step"] for r in recs if "reward" in r] == [0], recs
+    assert (folder / "config.json").is_file() and list((tmp_path / "out").rglob("model*.safetensors"))
 
 
 def test_train_help():

@@ -11,11 +11,10 @@ from rounding import STEP_ATOL
 from doubles import base_dir, records, checkpoints_of, small_run, weights
 from nanorl.checkpoint import CheckpointError, load_model
 from nanorl.rollout import Sampling
+from nanorl.scale import check_writable, complete_steps
 from nanorl.train import (
     Config,
     NonFiniteError,
-    check_writable,
-    complete_steps,
     main,
     make_tasks,
     rollout,

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import nanorl.scale as S
 import nanorl.train as T
 from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
 from nanorl.checkpoint import load_model
@@ -294,8 +295,8 @@ def test_resume_agreement_tensor_is_on_the_run_device(tmp_path, monkeypatch):
         seen.append(t.device)
         raise Reduced
 
-    monkeypatch.setattr(T, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
-    monkeypatch.setattr(T.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(S, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
+    monkeypatch.setattr(S.dist, "all_reduce", fake_all_reduce)
     with pytest.raises(Reduced):
-        T.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
+        S.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
     assert seen == [torch.device("meta")]

@@ -14,7 +14,7 @@ same tokens and advantages to both losses, in two passes of 4 rows, 2 of each pr
 
 On fresh samples TRL optimizes the ratio exp(logp - logp.detach()) * advantage, whose value is the advantage (the
 ratio is 1) and whose gradient is REINFORCE's; nanorl's default optimizes logp * advantage. So the gradients of the
-two are compared as they are, and the values with nanorl's ratio form (`pg_loss(..., old_logp=logp.detach())`).
+two are compared as they are, and the values with nanorl's ratio form (`pg_loss(..., clip=(logp.detach(), 0.2))`).
 """
 
 from contextlib import nullcontext
@@ -80,7 +80,8 @@ def nanorl_step(batch, kind, old_from=None):
     for rows, inputs, targets in passes:  # the ratio form, which the trainer never needs (its samples are fresh)
         mask = targets != -1
         logp = token_logp(model, inputs, targets)  # (b, T)
-        loss = pg_loss(logp, batch["advantages"][rows], mask, kind, norm, old_logp=old_from(logp.detach(), mask, rows))
+        old = old_from(logp.detach(), mask, rows)
+        loss = pg_loss(logp, batch["advantages"][rows], mask, kind, norm, clip=(old, 0.2))
         loss.backward()
         total += loss.item()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}

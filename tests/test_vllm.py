@@ -1,6 +1,13 @@
-"""vLLM as the rollout engine (nanorl.vllm_engine) on a tiny Qwen2 folder; skipped where vLLM does not import."""
+"""vLLM as the rollout engine (nanorl.vllm_engine) on a tiny Qwen2 folder; skipped where vLLM does not import.
 
+`make setup` installs vLLM's CPU build on Linux x86-64 (the extra `nanorl[vllm]`), so there these tests run.
+"""
+
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -8,7 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanorl.vllm_engine import VLLMEngine, import_vllm
+from nanorl.model import Sampler
+from nanorl.vllm_engine import SYNC_WAYS, VLLMEngine, import_vllm
+
+SET_NUM_THREADS = torch.set_num_threads  # before any vLLM engine starts: it must be the same function after
 
 try:
     import_vllm()
@@ -19,7 +29,7 @@ from doubles import gsm8k_chat_conversations, save_tiny_qwen2_head32  # noqa: E4
 from nanorl.checkpoint import load_model  # noqa: E402
 from nanorl.engine import Engine  # noqa: E402
 
-LOGPROB_TOL = 1e-4  # float32 vLLM kernels against nanorl's forward: measured gaps are about 1e-5
+LOGPROB_TOL = 1e-4  # float32 vLLM kernels against nanorl's forward: measured gaps are about 1e-6 on this model
 GREEDY = dict(num_samples=1, temperature=0.0)
 
 
@@ -131,8 +141,21 @@ def test_seeds_make_rows_reproducible_and_independent_of_the_batch(engine, promp
     assert len({tuple(s) for s in alone[0]}) > 1  # the samples of one prompt differ from each other
 
 
-def test_sync_weights_makes_vllm_sample_the_updated_model(engine, folder, prompts):
-    "After an optimizer step and sync_weights, vLLM's greedy continuation equals nanorl's on the new weights."
+def test_the_rl_batch_shape_runs_and_rows_do_not_depend_on_it(engine, nano):
+    "16 prompts x 16 seeded samples (more prompt tokens than one step's budget) run; a prompt's rows match it alone."
+    prompts = [nano[1].render_for_completion(c) for c in gsm8k_chat_conversations(16)]
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert 16 * sum(map(len, prompts)) > budget  # chunked prefill would cut a seeded row: CPU Generator offset error
+    kw = dict(num_samples=16, max_tokens=8, temperature=1.0, top_k=50)
+    seqs, masks = engine.generate_many(prompts, seed=list(range(16)), **kw)
+    assert len(seqs) == 256 and engine.last_stats["sampled_tokens"] == sum(map(sum, masks))
+    alone = engine.generate_many(prompts[5:6], seed=[5], **kw)
+    assert (seqs[80:96], masks[80:96]) == alone
+
+
+@pytest.mark.parametrize("via", SYNC_WAYS)
+def test_sync_weights_makes_vllm_sample_the_updated_model(engine, folder, prompts, via):
+    "After an optimizer step and sync_weights (in memory or through files), vLLM's greedy continuation is nanorl's."
     model, tok, _ = load_model(folder, "cpu")  # a copy of its own: the step must not change the other tests' model
     text = " ".join(c["messages"][0]["content"] for c in gsm8k_chat_conversations(3))
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
@@ -149,17 +172,66 @@ def test_sync_weights_makes_vllm_sample_the_updated_model(engine, folder, prompt
     optimizer.step()
     model.eval()
     try:
-        seconds = engine.sync_weights(model)
+        seconds = engine.sync_weights(model, via=via)
         after = engine.generate_many([prompt], max_tokens=16, **GREEDY)
         assert after == Engine(model, tok).generate_many([prompt], max_tokens=16, **GREEDY)
         assert after != before
         with torch.no_grad():  # at temperature 0 vLLM reports the log-softmax of the logits
             logits = model(torch.tensor(after[0]))[0, len(prompt) - 1 : -1]  # (16, V)
         ours = F.log_softmax(logits, -1).gather(-1, torch.tensor(after[0][0][len(prompt) :])[:, None])[:, 0]
-        assert (torch.tensor(engine.last_logprobs[0]) - ours).abs().max() < LOGPROB_TOL  # no stale prompt cache
-        assert seconds > 0 and set(engine.last_sync) == {"write_seconds", "reload_seconds"}
+        assert (torch.tensor(engine.last_logprobs[0]) - ours).abs().max() < LOGPROB_TOL  # head repacked, cache reset
+        assert seconds > 0 and engine.last_sync["via"] == via
+        assert engine.last_sync["write_seconds"] + engine.last_sync["reload_seconds"] == pytest.approx(seconds)
         assert (folder / "model.safetensors").read_bytes() == source_weights  # only vLLM's own copy changed
     finally:
-        model.load_state_dict(original)
-        engine.sync_weights(model)
+        engine.sync_weights(original, via=via)  # a state dict works as well as a model
     assert engine.generate_many([prompt], max_tokens=16, **GREEDY) == before
+
+
+def test_sync_weights_refuses_an_unknown_way(engine, nano):
+    "A misspelt `via` is an error naming the ways, not a silent default."
+    with pytest.raises(ValueError, match="memory"):
+        engine.sync_weights(nano[0], via="disk")
+
+
+def test_vllm_logprobs_equal_the_trainers_at_the_runs_defaults(engine, nano, prompts):
+    "At temperature 1 and top-k 50 (the run's defaults), vLLM's log-probs are the trainer's Sampler's within 1e-4."
+    model = nano[0]
+    seqs, masks = engine.generate_many(prompts, num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seed=3)
+    gaps = []
+    for r, seq in enumerate(seqs):
+        n, stop = len(prompts[r // 4]), engine.last_stops[r]
+        ids = torch.tensor([seq + ([stop[0]] if stop else [])])  # (1, T), the stop token trained as the trainer does
+        targets = torch.cat([torch.full((1, n - 1), -1), ids[:, n:]], 1)  # (1, T - 1)
+        with torch.no_grad():
+            nll = model(ids[:, :-1], targets=targets, loss_reduction="none", sampler=Sampler(1.0, 50))  # (T - 1,)
+        theirs = torch.tensor(engine.last_logprobs[r] + ([stop[1]] if stop else []))  # (T - n,)
+        gaps.append((theirs + nll[n - 1 :]).abs())
+    gaps = torch.cat(gaps)
+    assert len(gaps) == sum(map(sum, masks)) + engine.last_stats["finished_rows"]
+    assert gaps.max() < LOGPROB_TOL
+    assert ((gaps.exp() - 1).abs() > 0.1).sum() == 0  # no token's ratio outside [0.9, 1.1]: no correction needed
+
+
+def test_the_process_is_left_as_vllm_found_it(engine, prompts):
+    "vLLM's CPU worker swaps torch.set_num_threads for a no-op and draws from the global generator; both are undone."
+    state = torch.get_rng_state()
+    engine.generate_many(prompts, num_samples=2, max_tokens=4, temperature=1.0, top_k=50)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.set_num_threads is SET_NUM_THREADS
+
+
+def test_two_ranks_each_run_their_own_vllm_in_the_trainers_group(folder, tmp_path):
+    "Under torchrun each rank's vLLM joins the ranks' gloo group, samples as nanorl does, and closes leaving it up."
+    out = tmp_path / "ranks.json"
+    script = Path(__file__).parent / "vllm_ranks_script.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(folder), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and result["total"] == 3.0  # all_reduce after both engines closed
+    assert [r["rank"] for r in result["results"]] == [0, 1]
+    assert all(r["equal"] and r["joined"] and r["vllm_world"] == 2 for r in result["results"])
+    assert result["results"][0]["completion"] != result["results"][1]["completion"]  # each rank its own prompt

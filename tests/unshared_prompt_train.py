@@ -3,11 +3,9 @@
 import sys
 
 import nanorl.train as T
+from nanorl.loss import token_logp
 
-share_prompt_once = T.token_logp
-T.token_logp = lambda model, inputs, targets, share_prefix=True, **kw: share_prompt_once(
-    model, inputs, targets, share_prefix=False, **kw
-)  # as --fsdp runs its passes
+T.shared_token_logp = token_logp  # the plain path, as --fsdp runs its passes
 
 if __name__ == "__main__":
     T.main(sys.argv[1:])

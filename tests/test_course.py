@@ -1,0 +1,157 @@
+"""The course as a reader meets it: references name the right notebook, outputs are saved, budgets hold."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+
+from test_layout import LIB, NBS, ROOT, TESTS, library_files, notebook_modules
+
+NUMBERED = sorted(NBS.glob("[0-9][0-9]_*.ipynb"))
+STEMS = {nb.stem for nb in NUMBERED}
+SIDE_ROOMS = {"03_llama", "04_checkpoint", "05_calculator", "08_tasks", "13_speedups", "14_scale", "15_vllm_engine",
+              "18_real"}
+SHOWS = re.compile(r"\bprint\(|\bdisplay\(|\bplt\.|\.plot\(")
+MAX_CELL_WORDS, MAX_NOTEBOOK_WORDS, MAX_TOTAL_WORDS = 300, 3000, 25000
+MAX_MODULE_LINES, MAX_LINE, MAX_PARAMS = 600, 120, 8
+
+
+def cells(nb_path, kind):
+    "The cells of one kind ('markdown' or 'code') of a notebook, each as a dict with its source joined."
+    found = json.loads(nb_path.read_text())["cells"]
+    return [{**c, "source": "".join(c["source"])} for c in found if c["cell_type"] == kind]
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+# ------------------------------------------------------------------ references to notebooks
+
+# "notebook 11", "notebooks 09 and 10", "(13)", "`11_loss`": each must name a notebook of the course map
+REFERENCE = re.compile(r"\bnotebooks? (\d{1,2})\b(?!_)|\bnotebooks? \d{1,2}(?:,| and| or) (\d{1,2})\b(?!_)"
+                       r"|\((\d{2})\)|\b(\d{2}_[a-z][a-z_]*[a-z])\b")
+
+
+def bad_references(text: str, where: str) -> list[str]:
+    "References in `text` that name no notebook, or a number without its name."
+    bad = []
+    for m in REFERENCE.finditer(text):
+        number = next(g for g in m.groups() if g)
+        if "_" in number:
+            if number not in STEMS and re.match(r"\d{2}_", number) and not number.startswith("00"):
+                bad.append(f"{where}: `{number}` is no notebook")
+            continue
+        line = text[: m.start()].count("\n") + 1
+        bad.append(f"{where}:{line}: '{m.group(0)}' gives a number without the notebook's name; write `NN_name`")
+    return bad
+
+
+def prose_of_library_and_tests():
+    "(where, text) of every docstring and comment of nanorl/ and tests/."
+    for p in [*library_files(), *sorted(TESTS.glob("*.py"))]:
+        if p.name == "test_course.py":
+            continue  # its examples are bad references on purpose
+        source = p.read_text()
+        comments = "\n".join(m.group(0) for m in re.finditer(r"#.*", source))
+        strings = [n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant)
+                   and isinstance(n.value, str)]
+        yield str(p.relative_to(ROOT)), comments + "\n" + "\n".join(strings)
+
+
+def test_references_name_the_notebook_of_the_course_map():
+    "Every reference to a notebook in the notebooks' prose, the README and docstrings is a `NN_name` that exists."
+    bad = []
+    for nb in sorted(NBS.glob("*.ipynb")):
+        for i, c in enumerate(cells(nb, "markdown")):
+            bad += bad_references(c["source"], f"{nb.name} markdown cell {i}")
+        for i, c in enumerate(cells(nb, "code")):
+            comments = "\n".join(m.group(0) for m in re.finditer(r"#(?!\|).*|\"[^\"\n]*\"", c["source"]))
+            bad += bad_references(comments, f"{nb.name} code cell {i}")
+    bad += bad_references((ROOT / "README.md").read_text(), "README.md")
+    for where, text in prose_of_library_and_tests():
+        bad += bad_references(text, where)
+    assert not bad, "references that name no notebook of the course map:\n" + "\n".join(bad[:60])
+
+
+def test_reference_checker_can_fail():
+    "A bare number, a stale name and a good name are told apart."
+    assert bad_references("see notebook 11 for this", "x") and bad_references("the demo (13) shows", "x")
+    assert bad_references("as `12_fast_cpu` does", "x")
+    assert not bad_references("as `11_loss` shows, with 16 rows (16 of them)", "x")
+
+
+def test_side_rooms_say_so():
+    "Each side room's first prose line after its title says it is a side room; the README lists the same ones."
+    for nb in NUMBERED:
+        first = cells(nb, "markdown")[0]["source"]
+        body = [ln for ln in first.splitlines() if ln.strip() and not ln.startswith(("#", ">"))]
+        second = cells(nb, "markdown")[1]["source"] if not body else ""
+        opening = (body[0] if body else second.strip().splitlines()[0]).lstrip("*_ ")
+        assert opening.startswith("Side room") == (nb.stem in SIDE_ROOMS), f"{nb.name}: '{opening[:80]}'"
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\d\d_\w+)` \| `\w+` \| ([^|]+) \|", readme, flags=re.M))
+    assert {n for n, room in rows.items() if room.strip() == "side room"} == SIDE_ROOMS
+
+
+# ------------------------------------------------------------------ outputs and budgets
+
+
+def test_cells_that_show_something_have_saved_outputs():
+    "Every code cell of a numbered notebook that prints or plots has a saved output, unless it cannot run in CI."
+    missing = []
+    for nb in NUMBERED:
+        for i, c in enumerate(cells(nb, "code")):
+            if SHOWS.search(c["source"]) and not c.get("outputs") and "#| eval: false" not in c["source"]:
+                missing.append(f"{nb.name} code cell {i}: {c['source'].splitlines()[0][:80]}")
+    assert not missing, "cells that show something but have no saved output:\n" + "\n".join(missing)
+
+
+def test_prose_budgets():
+    "No markdown cell over 300 words, no numbered notebook over 3,000, all of nbs/ at most 25,000."
+    total, over = 0, []
+    for nb in sorted(NBS.glob("*.ipynb")):
+        counts = [words(c["source"]) for c in cells(nb, "markdown")]
+        total += sum(counts)
+        over += [f"{nb.name} cell {i}: {n} words" for i, n in enumerate(counts) if n > MAX_CELL_WORDS]
+        if nb in NUMBERED and sum(counts) > MAX_NOTEBOOK_WORDS:
+            over.append(f"{nb.name}: {sum(counts)} words")
+    assert not over, "\n".join(over)
+    assert total <= MAX_TOTAL_WORDS, f"nbs/ holds {total} words of prose (budget {MAX_TOTAL_WORDS})"
+
+
+def test_modules_lines_and_parameters():
+    "No module over 600 lines, no line over 120 characters, no function over 8 parameters."
+    bad = []
+    for p in library_files():
+        lines = p.read_text().splitlines()
+        bad += [f"{p.name}: {len(lines)} lines"] if len(lines) > MAX_MODULE_LINES else []
+        bad += [f"{p.name}:{i + 1}: {len(ln)} characters" for i, ln in enumerate(lines)
+                if len(ln) > MAX_LINE and not ln.startswith("__all__ = [")]   # nbdev_export wraps `__all__` itself
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs] if x.arg not in ("self", "cls")]
+                if len(names) + bool(a.vararg) + bool(a.kwarg) > MAX_PARAMS:
+                    bad.append(f"{p.name}:{node.lineno} {node.name} takes {len(names)} parameters")
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_the_speed_room_changes_nothing():
+    "Importing every module (the speed room included) leaves the plain methods of the model and engine in place."
+    code = (
+        "import nanorl.model as m, nanorl.llama as l, nanorl.engine as e\n"
+        "before = [m.GPT.forward, m.Linear.forward, l.Llama.forward, l.Llama.unembed, e.Engine.decode_steps]\n"
+        "import nanorl.speedups, nanorl.train, nanorl.demo\n"
+        "after = [m.GPT.forward, m.Linear.forward, l.Llama.forward, l.Llama.unembed, e.Engine.decode_steps]\n"
+        "print(sum(a is not b for a, b in zip(before, after)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "0", "importing nanorl.speedups replaced a method of the plain path"
+
+
+def test_every_module_is_in_the_course_map():
+    "The course map's modules are the library's (so a renamed room cannot hide from these checks)."
+    assert set(notebook_modules()) == {p.stem for p in library_files()} and LIB.is_dir()
