@@ -20,10 +20,9 @@ from .rollout import (Rollout, Sampling, Scores, collate, collate_logprobs, halv
 from .checkpoint import get_base_dir, load_hf_model, load_model, save_checkpoint, save_hf_step
 from .llama import Llama
 from .model import Sampler
-from .engine import Engine
 from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
-from .loss import NORMALIZATIONS, count_trained, loss_normalizer, pg_loss, token_logp, token_sum
+from .loss import IS_MODES, NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, token_sum
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, keep_freed_memory, packed_weights, shared_token_logp, use_fast_paths
 from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, check_writable,
@@ -31,6 +30,7 @@ from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_a
                           full_tensor, gather_muon, gathered, is_sharded, process_group, reduce_max, reduce_sums,
                           resume_point, run_dir, shard_model, sharded_optim_state, sync_gradients,
                           use_sparse_embedding_grads)
+from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sync_engine
 
 # %% auto #0
 __all__ = ['PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'Trainer', 'step_normalizer',
@@ -62,9 +62,8 @@ class Trainer:
         if fast_paths_for(device):                  # CPU: packed weights, the fused loss
             for m in filter(None, (self.model, self.ref_model)):
                 use_fast_paths(m)
-        self.engine = Engine(self.model, self.tokenizer)    # any engine with its generate_many can stand in
-        self.pad_id = self.tokenizer.encode_special("<|assistant_end|>")
-        self.resume = policy.resume or {}
+        self.engine = rollout_engine(cfg, self.model, self.tokenizer, device, world)   # `15_vllm_engine`
+        self.pad_id, self.resume = self.tokenizer.encode_special("<|assistant_end|>"), policy.resume or {}
         self.rollout_rows = cfg.rollout_rows        # rows per engine call: halved after an out-of-memory error
 
     def step(self, step: int) -> dict:
@@ -84,6 +83,7 @@ class Trainer:
         grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
         peaks.mark("mem_train_gib")
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
+        times |= sync_engine(self.engine, self.model)   # vLLM samples the next step with the new weights: t_sync
         return {"step": step, "lrm": lrm} | self.metrics(batch, scores, stats, grad_norm, lrm) | peaks | times
 
 # %% ../nbs/16_train.ipynb #f6eab5be
@@ -120,10 +120,8 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
 # %% ../nbs/16_train.ipynb #35606c90
 def step_normalizer(cfg, targets_per_pass, device, world_size):
     "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
-    if targets_per_pass:
-        counts = sum(count_trained((t != -1).cpu()) for t in targets_per_pass)    # (2,): tokens, sequences
-    else:
-        counts = torch.zeros(2, dtype=torch.float64)
+    zero = torch.zeros(2, dtype=torch.float64)
+    counts = sum((count_trained((t != -1).cpu()) for t in targets_per_pass), zero)    # (2,): tokens, sequences
     totals = reduce_sums({"tokens": counts[0], "sequences": counts[1], "passes": len(targets_per_pass)},
                          device, world_size)
     return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
@@ -144,27 +142,28 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
             with torch.no_grad(), autocast:
                 ref_logp = shared_token_logp(ref_model, inputs, targets, sampler=ref_sampler)   # (b, T)
         kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
-        loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, kl=kl)
+        weights = importance_weights(logp, sampled[0], cfg.is_correction, cfg.is_cap) if sampled else None  # (b, T)
+        loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, kl=kl, weights=weights)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
-        gap = (logp.detach().float() - sampled[0].float())[mask].abs() if sampled else logp.new_zeros(0)   # (N,)
+        log_ratio = (logp.detach().float() - sampled[0].float())[mask] if sampled else logp.new_zeros(0)   # (N,)
+        gap, outside = log_ratio.abs(), (log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))   # (N,) each
         gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
         sums.append(torch.stack([loss.detach().float(), logp.detach()[mask].float().sum(),
                                  entropy.detach()[mask].float().sum(), mask.sum().float(), gap.sum().float(),
-                                 torch.tensor(float(gap.numel()), device=gap.device)]))
-    loss, logp, entropy, tokens, gap, gapped = torch.stack(sums).cpu().double().sum(0).tolist() if sums else (0.0,) * 6
-    return {"loss": loss, "logp_sum": logp, "entropy_sum": entropy, "tokens": int(tokens), "gap_sum": gap,
-            "gap_tokens": int(gapped), "gap_max": torch.stack(gap_max).max().item() if gap_max else 0.0}
+                                 torch.tensor(float(gap.numel()), device=gap.device), outside.sum().float()]))
+    totals = torch.stack(sums).cpu().double().sum(0).tolist() if sums else [0.0] * 7
+    return dict(zip(("loss", "logp_sum", "entropy_sum", "tokens", "gap_sum", "gap_tokens", "outside"), totals),
+                gap_max=torch.stack(gap_max).max().item() if gap_max else 0.0)
 
 # %% ../nbs/16_train.ipynb #5b266007
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
     params = [p for p in model.parameters() if p.requires_grad]
     densify_grads(params)
-    for p in params:        # no gradient (every pass skipped, or a rank without rows): zero, as without the flag
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    for p in [p for p in params if p.grad is None]:   # no gradient (all passes skipped, a rank without rows): zero
+        p.grad = torch.zeros_like(p)
     if not is_sharded(model):       # FSDP2 has reduce-scattered (and averaged) them in the backward passes
         sync_gradients(params, world_size)
     grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, float("inf"))).item()
@@ -192,17 +191,17 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
                         "tool_calls": batch.tool_calls, "loss": stats["loss"], "logp": stats["logp_sum"],
                         "tokens": stats["tokens"], "entropy": stats["entropy_sum"], "gap": stats["gap_sum"],
                         "gap_tokens": stats["gap_tokens"], "stop_trained": stats["stop_trained"],
-                        "gap_measured": stats["gap_measured"], **terms},
+                        "gap_measured": stats["gap_measured"], "outside": stats["outside"], **terms},
                        self.device, self.world)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
     gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),      # 0 if nothing was trained
-            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1)} if sums["gap_measured"] else {}
+            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1),
+            "is_ratio_outside": sums["outside"] / max(sums["gap_tokens"], 1)} if sums["gap_measured"] else {}
     return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world,
             "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
             "zero_signal_frac": sums["zero_signal"] / sums["groups"],
-            "tool_calls_per_sample": sums["tool_calls"] / rows,
+            "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
             "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
-            "stop_trained": int(sums["stop_trained"]), **gaps,
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}
 
 # %% ../nbs/16_train.ipynb #16d1e26e
@@ -348,7 +347,11 @@ def train(cfg: Config, tasks=None) -> list[dict]:
     with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world, device):
         if device.type == "cpu":
             keep_freed_memory()                                   # big per-step buffers reuse their pages
-        return Trainer(cfg, rank, world, device, tasks).run()
+        trainer = Trainer(cfg, rank, world, device, tasks)
+        try:
+            return trainer.run()
+        finally:
+            getattr(trainer.engine, "close", lambda: None)()      # vLLM: shut down, its copy of the folder deleted
 
 # %% ../nbs/16_train.ipynb #6aa316cb
 def _flag(default, help):
@@ -405,6 +408,9 @@ class Config:
     wandb_project: str = _flag("nanorl", "wandb project")
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
     fsdp: bool = _flag(False, "shard weights, gradients and optimizer state over the ranks with FSDP2 (default: DDP)")
+    engine: str = _flag("nanorl", "rollout engine: nanorl's own, or vllm (a --model-path folder, `15_vllm_engine`)")
+    is_correction: str = _flag("none", "importance weights of the sampler's tokens: none, tis (ratio capped) or mask")
+    is_cap: float = _flag(2.0, "--is-correction's cap on a token's ratio pi_trainer / pi_sampler")
     dist_timeout_min: float = _flag(60.0, "minutes a rank waits in a collective (e.g. for a checkpoint) before failing")
 
     def sampling(self, evaluation: bool = False) -> Sampling:
@@ -436,7 +442,7 @@ def resolve_preset(cfg: Config, explicit=()) -> Config:
 # %% ../nbs/16_train.ipynb #90dfd411
 _CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NORMALIZATIONS, logp=("sampler", "model"),
                lr_schedule=("linear", "cosine"), dtype=("auto", "float32", "bfloat16"),
-               device_type=("", "cuda", "cpu", "mps"))
+               device_type=("", "cuda", "cpu", "mps"), engine=ENGINES, is_correction=IS_MODES)
 _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new_tokens", "eval_every", "eval_examples",
                              "save_every", "rollout_rows", "max_bad_steps", "num_epochs", "num_steps", "eval_samples",
                              "eval_max_new_tokens"), 1),
@@ -453,7 +459,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         value = getattr(cfg, name)
         if value is not None and not value >= low:                                 # nan fails too
             raise ValueError(f"{flag(name)} must be >= {low}{_WHY.get(name, '')}, got {value}")
-    for name in ("lr", "dist_timeout_min"):
+    for name in ("lr", "dist_timeout_min", "is_cap"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{flag(name)} must be > 0, got {getattr(cfg, name)}")
     if cfg.task not in ("gsm8k", "countdown", "arithmetic") and cfg.task.count(":") != 1:
@@ -465,6 +471,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ValueError("--model-step picks a nanochat checkpoint; with --model-path, point it at the folder to start "
                          "from (an RL run's step_<N> folder is one)")
     check_rank_settings(cfg, world_size)                 # ranks and sharding: `14_scale`
+    check_engine_settings(cfg)                           # vLLM takes Hugging Face folders: `15_vllm_engine`
     return cfg
 
 # %% ../nbs/16_train.ipynb #76e06a95

