@@ -265,6 +265,8 @@ def test_config_preset_applies_in_train(tmp_path, monkeypatch):
     seen = []
 
     class Recorder:
+        engine = None  # train() closes the engine of the Trainer it ran
+
         def __init__(self, cfg, rank, world, device, tasks):
             seen.append(cfg)
 
