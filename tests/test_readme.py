@@ -20,6 +20,8 @@ COVERED = {
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --data-dir=/data/gsm8k": "test_torchrun_lines",
     "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --model-path=/models/Qwen2.5-1.5B-Instruct --fsdp "
     "--task=countdown": "test_torchrun_hf_line",
+    "torchrun --standalone --nproc_per_node=8 -m nanorl.train -- --model-path=/models/Qwen2.5-1.5B-Instruct "
+    "--engine=vllm --is-correction=tis": "test_torchrun_vllm_line",
     "python -m nanorl.train --help": "test_train_help",
     "make real": "test_make_real",
     GPU_VENV: "test_gpu_setup",
@@ -134,6 +136,30 @@ def test_torchrun_hf_line(tmp_path):
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
     assert [r["step"] for r in recs if "reward" in r] == [0], recs
     assert (folder / "config.json").is_file() and list((tmp_path / "out").rglob("model*.safetensors"))
+
+
+def test_torchrun_vllm_line(tmp_path):
+    "The README's vLLM line as written on two gloo ranks, each with its own vLLM, on a folder vLLM's CPU build takes."
+    from doubles import save_tiny_qwen2_head32
+    from nanorl.vllm_engine import import_vllm
+
+    try:
+        import_vllm()
+    except ImportError as e:
+        pytest.skip(f"vLLM does not import here (it installs on Linux x86-64 only): {str(e)[:200]}")
+    (line,) = commands_of("test_torchrun_vllm_line")
+    folder = tmp_path / "Qwen2.5-1.5B-Instruct"
+    save_tiny_qwen2_head32(folder)
+    words = [TORCHRUN if w == "torchrun" else w for w in line.split()]
+    words = [w.replace("/models/Qwen2.5-1.5B-Instruct", str(folder)).replace("=8", "=2") for w in words]
+    tiny = ["--device-type", "cpu", "--num-steps", "1", "--examples-per-step", "2", "--num-samples", "2",
+            "--device-batch-size", "2", "--max-new-tokens", "8", "--eval-every", "100", "--eval-examples", "2",
+            "--save-every", "100", "--task", "doubles:toy_tasks", "--output-dir", str(tmp_path / "out")]
+    env = {"PYTHONPATH": str(ROOT / "tests"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
+    run_or_fail([*words, *tiny], cwd=tmp_path, env=env)
+    (metrics,) = (tmp_path / "out").rglob("metrics.jsonl")
+    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    assert [r["step"] for r in recs] == [0] and all(k in recs[0] for k in ("logp_gap_max", "t_sync")), recs
 
 
 def test_train_help():
