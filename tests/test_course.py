@@ -155,3 +155,11 @@ def test_importing_the_speed_room_changes_nothing():
 def test_every_module_is_in_the_course_map():
     "The course map's modules are the library's (so a renamed room cannot hide from these checks)."
     assert set(notebook_modules()) == {p.stem for p in library_files()} and LIB.is_dir()
+
+
+def test_notebook_lines_fit():
+    "Every line of every notebook cell (markdown and code, outputs aside) is at most 120 characters."
+    long = [f"{nb.name} {kind} cell {i}: {len(ln)} characters" for nb in sorted(NBS.glob("*.ipynb"))
+            for kind in ("markdown", "code") for i, c in enumerate(cells(nb, kind))
+            for ln in c["source"].splitlines() if len(ln) > MAX_LINE]
+    assert not long, "\n".join(long)
