@@ -6,9 +6,9 @@ PYTHON ?= python3
 # torch==2.13.0 (CPU) is pinned here; with your own CUDA torch already in $(VENV), use CONSTRAINTS=
 CONSTRAINTS ?= constraints.txt
 STAMP := $(VENV)/.nanorl-installed
-# vLLM's CPU build (the extra `vllm`, tests/test_vllm.py) on Linux x86-64 with the CPU torch pin; `make setup VLLM=`
-# leaves it out. Its image, audio and GPU-kernel companions do not match the CPU torch (vLLM then fails to import) and
-# text needs none of them, so they are removed after the install
+# vLLM's CPU build (the extra `vllm`) on Linux x86-64 with the CPU torch pin, and then tests/test_vllm.py and the
+# notebook cells flagged `vllm` run; `make setup VLLM=` leaves it out. Its image, audio and GPU-kernel companions do
+# not match the CPU torch (vLLM then fails to import) and text needs none of them, so they are removed after it
 VLLM ?= $(if $(CONSTRAINTS),$(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)))
 VLLM_UNUSED := torchvision torchaudio torchcodec triton
 comma := ,
