@@ -572,5 +572,6 @@ d = { 'settings': { 'branch': 'main',
                                     'nanorl.vllm_engine.repack_embedding_gemms': ( 'vllm_engine.html#repack_embedding_gemms',
                                                                                    'nanorl/vllm_engine.py'),
                                     'nanorl.vllm_engine.rollout_engine': ('vllm_engine.html#rollout_engine', 'nanorl/vllm_engine.py'),
+                                    'nanorl.vllm_engine.sampling_weights': ('vllm_engine.html#sampling_weights', 'nanorl/vllm_engine.py'),
                                     'nanorl.vllm_engine.split_completion': ('vllm_engine.html#split_completion', 'nanorl/vllm_engine.py'),
                                     'nanorl.vllm_engine.sync_engine': ('vllm_engine.html#sync_engine', 'nanorl/vllm_engine.py')}}}

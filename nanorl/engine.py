@@ -8,7 +8,7 @@ __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_
            'context_limit', 'Engine', 'softcap', 'check_generation', 'new_stats', 'Pick']
 
 # %% ../nbs/06_engine.ipynb #301f3865
-import math, numbers, operator, time
+import numbers, operator, time
 from collections import deque
 from contextlib import nullcontext
 import torch, torch.nn.functional as F

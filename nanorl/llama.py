@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import model as gpt
-from .model import KVCache, Linear, apply_rotary, attention_mask
+from .model import KVCache, Linear, apply_rotary
 from .tokenizer import MaskView, Tokenizer
 
 # %% auto #0

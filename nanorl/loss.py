@@ -13,9 +13,9 @@ __all__ = ['NORMALIZATIONS', 'IS_MODES', 'token_logp', 'count_trained', 'loss_no
 
 # %% ../nbs/11_loss.ipynb #5e0c1a02
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
-               entropy_grad: bool = False, sampler=None):
+               entropy_grad: bool = False, sampler=None, kv_cache=None):
     "Log-prob of each target (B, T) under `sampler`'s distribution (None: the model's), 0 where the target is -1."
-    nll, entropy = model(inputs, targets=targets, loss_reduction="none", with_entropy=True,
+    nll, entropy = model(inputs, targets=targets, kv_cache=kv_cache, loss_reduction="none", with_entropy=True,
                          entropy_grad=entropy_grad, sampler=sampler)              # (B * T,) each
     logp, entropy = (x.view(inputs.shape) for x in (-nll, entropy))              # (B, T) each
     return (logp, entropy) if with_entropy else logp

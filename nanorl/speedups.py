@@ -350,7 +350,7 @@ def shared_token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_e
     if not P:
         return token_logp(model, inputs, targets, with_entropy, entropy_grad, sampler)
     cache = shared_prefix_cache(model, inputs, P)
-    nll, entropy = model(inputs[:, P:], targets=targets[:, P:], kv_cache=cache, loss_reduction="none",
-                         with_entropy=True, entropy_grad=entropy_grad, sampler=sampler)   # (B * (T - P),) each
-    logp, entropy = (F.pad(x.view(inputs.shape[0], -1), (P, 0)) for x in (-nll, entropy))   # (B, T) each
+    logp, entropy = token_logp(model, inputs[:, P:], targets[:, P:], True, entropy_grad, sampler,
+                               kv_cache=cache)                                  # (B, T - P) each
+    logp, entropy = (F.pad(x, (P, 0)) for x in (logp, entropy))                # (B, T) each
     return (logp, entropy) if with_entropy else logp

@@ -27,10 +27,10 @@ from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, keep_freed_memory, packed_weights, shared_token_logp, use_fast_paths
 from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, check_writable,
                           compute_dtype, densify_grads, elastic_restarts, full_model_state, full_optim_state,
-                          full_tensor, gather_muon, gathered, is_sharded, process_group, reduce_max, reduce_sums,
+                          full_tensor, gather_muon, is_sharded, process_group, reduce_max, reduce_sums,
                           resume_point, run_dir, shard_model, sharded_optim_state, sync_gradients,
                           use_sparse_embedding_grads)
-from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sync_engine
+from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sampling_weights, sync_engine
 
 # %% auto #0
 __all__ = ['PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'Trainer', 'step_normalizer',
@@ -91,7 +91,7 @@ class Trainer:
 def sample(self: Trainer, step: int, indices) -> Rollout:
     "This rank's samples of the step's problems, under the run's autocast."
     self.model.eval()
-    with gathered(self.model), self.autocast:       # a sharded model: gathered once for the whole rollout
+    with sampling_weights(self.engine, self.model), self.autocast:     # sharded: gathered once for the rollout
         batch = rollout(self.engine, self.tokenizer, self.train_task, indices, self.cfg.sampling(),
                         sample_seeds(self.cfg.seed, step, indices), self.rollout_rows)
     self.model.train()
@@ -153,9 +153,11 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
         sums.append(torch.stack([loss.detach().float(), logp.detach()[mask].float().sum(),
                                  entropy.detach()[mask].float().sum(), mask.sum().float(), gap.sum().float(),
                                  torch.tensor(float(gap.numel()), device=gap.device), outside.sum().float()]))
-    totals = torch.stack(sums).cpu().double().sum(0).tolist() if sums else [0.0] * 7
+    host = (torch.cat([torch.stack(sums).flatten(), torch.stack(gap_max).max().float().reshape(1)]).cpu() if sums
+            else torch.zeros(8))                          # one copy to the host: every pass's sums, the largest gap
+    totals = host[:-1].view(-1, 7).double().sum(0).tolist()
     return dict(zip(("loss", "logp_sum", "entropy_sum", "tokens", "gap_sum", "gap_tokens", "outside"), totals),
-                gap_max=torch.stack(gap_max).max().item() if gap_max else 0.0)
+                gap_max=host[-1].item())
 
 # %% ../nbs/16_train.ipynb #5b266007
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
@@ -214,7 +216,7 @@ def evaluate(self: Trainer) -> dict:
     per_batch = max(1, cfg.rollout_rows // sampling.num_samples)
     while True:
         try:
-            with gathered(self.model), self.autocast:
+            with sampling_weights(self.engine, self.model), self.autocast:
                 result = evaluate_pass_at_k(self.engine, self.tokenizer, self.val_task, sampling, cfg.eval_examples,
                                             cfg.seed, per_batch, (self.rank, self.world))
             break
@@ -226,7 +228,7 @@ def evaluate(self: Trainer) -> dict:
 @patch
 def save(self: Trainer, step: int, resume_state: dict):
     "A checkpoint nanochat (--model-path: transformers) loads; rank 0 adds the optimizer, each rank its resume state."
-    state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.rank == 0
+    state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.master
     optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
     model_state = full_model_state(self.model, master)
     if self.cfg.model_path:

