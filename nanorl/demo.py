@@ -189,10 +189,10 @@ def _per_step(ax, records, key: str, title: str):
     ax.set(title=title, xlabel="step")
 
 def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
-    "Save reward / pass@k / length (and with `entropy`, entropy) panels of an RL run as a PNG; returns the path."
+    "Save reward / pass@k / length / stop rate (and with `entropy`, entropy) panels of an RL run as a PNG."
     from matplotlib.figure import Figure            # no pyplot: no global figure state, no backend to pick
-    fig = Figure(figsize=(12 + 3 * entropy, 3.2))
-    ax = fig.subplots(1, 3 + entropy)
+    fig = Figure(figsize=(15 + 3 * entropy, 3.2))
+    ax = fig.subplots(1, 4 + entropy)
     _per_step(ax[0], records, "reward", "training reward")
     ax[0].set(ylim=(0, 1))
     ax[0].legend(loc="lower right", fontsize=8)
@@ -204,8 +204,14 @@ def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
     ax[1].set(title="held-out pass@k (±2 s.e.)", xlabel="updates done", ylim=(0, 1))
     ax[1].legend(loc="lower right", fontsize=8)
     _per_step(ax[2], records, "seq_len", "completion length (tokens)")
+    _per_step(ax[3], records, "stop_rate", "replies that stopped")
+    pts = eval_points(records, len(records), "eval_stop_rate")
+    if pts:
+        ax[3].plot([p[0] for p in pts], [p[1] for p in pts], "o", label="held-out")
+    ax[3].set(ylim=(0, 1.02))
+    ax[3].legend(loc="lower right", fontsize=8)
     if entropy:
-        _per_step(ax[3], records, "entropy", "entropy of the sampled tokens (nats)")
+        _per_step(ax[4], records, "entropy", "entropy of the sampled tokens (nats)")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -66,10 +66,11 @@ def mean_and_stderr(values) -> tuple[float, float]:
 EVAL_SAMPLING = Sampling(num_samples=8)  # nanochat's pass@k: 8 samples, 256 new tokens, temperature 1, top-50
 
 def sample_outcomes(engine, tokenizer, task, indices, sampling: Sampling = EVAL_SAMPLING, seed: int = 42,
-                    prompts_per_batch: int = 8, progress: bool = False) -> torch.Tensor:
-    "(len(indices), num_samples) bool: whether each sample of each listed problem is correct."
+                    prompts_per_batch: int = 8, progress: bool = False) -> "PassAtK":
+    "Whether each sample of each listed problem is correct, and whether it stopped before the token limit."
     indices, num_samples = list(indices), sampling.num_samples
-    out = torch.zeros(len(indices), num_samples, dtype=torch.bool)
+    out = torch.zeros(len(indices), num_samples, dtype=torch.bool)         # (P, n)
+    stopped = torch.zeros(len(indices), num_samples, dtype=torch.bool)     # (P, n)
     bar = tqdm(total=len(indices), desc="pass@k", disable=not progress)
     for start in range(0, len(indices), prompts_per_batch):
         batch = indices[start:start + prompts_per_batch]
@@ -82,9 +83,10 @@ def sample_outcomes(engine, tokenizer, task, indices, sampling: Sampling = EVAL_
             p = j // num_samples
             text = completion_text(tokenizer, seq, len(prompts[p]), conversations[p])
             out[start + p, j % num_samples] = bool(task.evaluate(conversations[p], text))
+            stopped[start + p, j % num_samples] = len(seq) - len(prompts[p]) < sampling.max_new_tokens
         bar.update(len(batch))
     bar.close()
-    return out
+    return PassAtK(out, stopped=stopped)
 
 # %% ../nbs/12_evaluate.ipynb #eae27d9f
 @dataclass
@@ -92,6 +94,7 @@ class PassAtK:
     "Per-sample outcomes of an evaluation (problems x samples) and the pass@k estimates derived from them."
     outcomes: torch.Tensor                       # (P, n) bool
     ks: tuple = ()
+    stopped: torch.Tensor | None = None          # (P, n) bool: the sample ended before the token limit
 
     def __post_init__(self):
         n = self.outcomes.shape[1]
@@ -113,11 +116,13 @@ class PassAtK:
         return mean_and_stderr(pass_at_k_first(self.outcomes, k))
 
     def metrics(self) -> dict[str, float]:
-        "Flat dict for logging: pass@k, pass@k_se, first@k, first@k_se for each k."
+        "Flat dict for logging: pass@k, pass@k_se, first@k, first@k_se for each k; eval_stop_rate when known."
         out = {}
         for k in self.ks:
             out[f"pass@{k}"], out[f"pass@{k}_se"] = self.estimate(k)
             out[f"first@{k}"], out[f"first@{k}_se"] = self.estimate_first(k)
+        if self.stopped is not None and self.stopped.numel():
+            out["eval_stop_rate"] = self.stopped.float().mean().item()
         return out
 
 # %% ../nbs/12_evaluate.ipynb #d3efb02d
@@ -140,8 +145,10 @@ def evaluate_pass_at_k(engine, tokenizer, task, sampling: Sampling = EVAL_SAMPLI
     local = sample_outcomes(engine, tokenizer, task, mine, sampling, seed, prompts_per_batch, progress)
     nccl = initialized and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-    table = torch.zeros(num_problems, sampling.num_samples, dtype=torch.int32, device=device)   # (P, n)
-    table[mine] = local.to(device=device, dtype=torch.int32)
+    table = torch.zeros(2, num_problems, sampling.num_samples, dtype=torch.int32, device=device)   # (2, P, n)
+    table[0, mine] = local.outcomes.to(device=device, dtype=torch.int32)
+    table[1, mine] = local.stopped.to(device=device, dtype=torch.int32)
     if world_size > 1:
         dist.all_reduce(table, op=dist.ReduceOp.SUM)
-    return PassAtK(table.cpu().bool())
+    table = table.cpu().bool()
+    return PassAtK(table[0], stopped=table[1])

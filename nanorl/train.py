@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .rollout import (Rollout, Sampling, Scores, collate, collate_logprobs, halve_after_oom, microbatches,
-                            rollout, sample_seeds, score, step_examples, trained_rows)
+                            rollout, sample_seeds, score, step_examples, trained_rows, TRUNCATION)
 from .checkpoint import get_base_dir, load_hf_model, load_model, save_checkpoint, save_hf_step
 from .llama import Llama
 from .model import Sampler
@@ -69,7 +69,7 @@ class Trainer:
     def step(self, step: int) -> dict:
         "Sample, score and learn from one step's problems; update the weights; returns this step's metrics."
         cfg, t0 = self.cfg, time.perf_counter()
-        lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule)
+        lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule, cfg.warmup_steps)
         indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
         peaks = PhasePeaks(self.device)                 # each phase's peak memory, logged on GPUs
         packed = nullcontext() if is_sharded(self.model) else packed_weights(self.model)   # FSDP: in `gathered`
@@ -77,7 +77,8 @@ class Trainer:
             batch = self.sample(step, indices)
             t1 = time.perf_counter()
             peaks.mark("mem_rollout_gib")
-            scores = score(self.tokenizer, self.train_task, indices, batch, cfg.num_samples, cfg.advantage)
+            scores = score(self.tokenizer, self.train_task, indices, batch, cfg.num_samples, cfg.advantage,
+                           cfg.max_new_tokens, cfg.truncated)
             t2 = time.perf_counter()
             stats = self.learn(batch, scores, len(indices))
         grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
@@ -106,16 +107,19 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
     cfg, passes = self.cfg, []
     for rows in microbatches(num_groups, cfg.num_samples, cfg.device_batch_size):
         seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop)        # each row ended by its stop token
+        if cfg.truncated == "mask":                                           # cut rows: no token trained
+            masks = [[0] * len(m) if scores.truncated[r] else m for r, m in zip(rows, masks)]
         inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
         sampled = [] if None in logps else [collate_logprobs(logps, self.device)]   # (b, T): the engine's
         passes.append((inputs, targets, torch.tensor(rows), *sampled))
     normalizer = step_normalizer(cfg, [p[1] for p in passes], self.device, self.world)  # skipped passes count
     if cfg.skip_zero_signal:
         passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
-    stops = [batch.stops[r] for p in passes for r in p[2].tolist()] if cfg.train_stop and batch.stops else []
+    stopped = [r for p in passes for r in p[2].tolist() if batch.stops[r] is not None] if cfg.train_stop and batch.stops else []
     advantages = scores.advantages.to(self.device)                            # (B,)
     stats = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
-    return stats | {"stop_trained": sum(s is not None for s in stops), "gap_measured": batch.logprobs is not None}
+    return stats | {"stop_trained": len(stopped), "stop_adv_sum": scores.advantages[stopped].sum().item(),
+                    "gap_measured": batch.logprobs is not None}
 
 # %% ../nbs/16_train.ipynb #35606c90
 def step_normalizer(cfg, targets_per_pass, device, world_size):
@@ -176,10 +180,11 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
-def lr_multiplier(step: int, num_steps: int, schedule: str = "linear") -> float:
-    "Fraction of the initial learning rate at `step`: 1 at the start, 0 at num_steps."
+def lr_multiplier(step: int, num_steps: int, schedule: str = "linear", warmup: int = 0) -> float:
+    "Fraction of the initial learning rate at `step`: rising linearly over `warmup` steps, then decaying to 0."
     frac = min(step / num_steps, 1.0)
-    return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    decay = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    return decay * min(1.0, (step + 1) / (warmup + 1))
 
 # %% ../nbs/16_train.ipynb #fdc17304
 @patch
@@ -193,6 +198,7 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
                         "tool_calls": batch.tool_calls, "loss": stats["loss"], "logp": stats["logp_sum"],
                         "tokens": stats["tokens"], "entropy": stats["entropy_sum"], "gap": stats["gap_sum"],
                         "gap_tokens": stats["gap_tokens"], "stop_trained": stats["stop_trained"],
+                        "truncated": scores.truncated.sum(), "stop_adv": stats["stop_adv_sum"],
                         "gap_measured": stats["gap_measured"], "outside": stats["outside"], **terms},
                        self.device, self.world)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
@@ -203,6 +209,8 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
             "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
             "zero_signal_frac": sums["zero_signal"] / sums["groups"],
             "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
+            "stop_rate": 1 - sums["truncated"] / rows, "truncated_frac": sums["truncated"] / rows,
+            "stop_adv": sums["stop_adv"] / max(sums["stop_trained"], 1),
             "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}
 
@@ -244,7 +252,7 @@ def _line(r: dict, num_steps: int) -> str:
     "nanochat-style progress line of one step."
     evals = " | ".join(f"{k} {v:.3f}" for k, v in r.items() if k.startswith("pass@") and not k.endswith("_se"))
     return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} "
-            f"| loss {r['loss']:+.5f} | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}"
+            f"| stop {r['stop_rate']:.2f} | loss {r['loss']:+.5f} | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}"
             + (f" | {evals}" if evals else ""))
 
 # %% ../nbs/16_train.ipynb #9f9c0f1c
@@ -403,6 +411,9 @@ class Config:
     kl_coef: float = _flag(0.0, "KL penalty to the starting model (0: off, as nanochat)")
     entropy_coef: float = _flag(0.0, "entropy bonus: minus this times the trained tokens' entropy (0: off)")
     lr_schedule: str = _flag("linear", "learning-rate decay to zero: linear (nanochat) or cosine")
+    warmup_steps: int = _flag(0, "the learning rate rises linearly over the first N steps (0: from the start, nanochat)")
+    truncated: str = _flag("keep", "a reply cut by --max-new-tokens: keep (scored as is, nanochat), mask (left out "
+                                   "of the loss) or zero (reward 0)")
     eval_samples: int | None = _flag(None, "samples per eval problem (default: device_batch_size, as nanochat)")
     eval_max_new_tokens: int | None = _flag(None, "token limit in evaluation (default: max_new_tokens)")
     rollout_rows: int = _flag(256, "most rows generated in one engine call (a memory bound)")
@@ -444,11 +455,12 @@ def resolve_preset(cfg: Config, explicit=()) -> Config:
 # %% ../nbs/16_train.ipynb #90dfd411
 _CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NORMALIZATIONS, logp=("sampler", "model"),
                lr_schedule=("linear", "cosine"), dtype=("auto", "float32", "bfloat16"),
-               device_type=("", "cuda", "cpu", "mps"), engine=ENGINES, is_correction=IS_MODES)
+               device_type=("", "cuda", "cpu", "mps"), engine=ENGINES, is_correction=IS_MODES,
+               truncated=TRUNCATION)
 _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new_tokens", "eval_every", "eval_examples",
                              "save_every", "rollout_rows", "max_bad_steps", "num_epochs", "num_steps", "eval_samples",
                              "eval_max_new_tokens"), 1),
-            "num_samples": 2, "temperature": 0, "top_k": 0, "kl_coef": 0, "entropy_coef": 0}   # None: the default
+            "num_samples": 2, "temperature": 0, "top_k": 0, "kl_coef": 0, "entropy_coef": 0, "warmup_steps": 0}   # None: the default
 _WHY = {"num_samples": ": the advantage compares samples within a group", "top_k": " (0: the whole vocabulary)"}
 
 def validate(cfg: Config, world_size: int = 1) -> Config:

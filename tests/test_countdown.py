@@ -195,5 +195,5 @@ def test_assistant_prefix_is_prompt_not_trained_and_rewarded(tok, tmp_path):
         scores = score(tk, task, [0], scripted, 2)
         assert scores.rewards.tolist() == [1.5, 1.5], name
         assert task.reward(task[0], reply) == 1.0  # the same text without the prefix: no format term
-        outcomes = sample_outcomes(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2))
+        outcomes = sample_outcomes(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2)).outcomes
         assert outcomes.tolist() == [[True, True]], name

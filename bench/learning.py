@@ -1,0 +1,185 @@
+"""Why SmolLM2 stops learning (and stopping): the real-model recipe of `18_real` under several arms, side by side.
+
+Each arm changes one thing of `nanorl.real`'s recipe (SmolLM2-135M-Instruct, one-step word problems scored by the
+reply's final number, 4 problems x 8 samples a step, 48 new tokens, temperature 0.7, AdamW). Every (arm, seed) is a
+fresh process; `--jobs` of them run at once, each with `--threads` torch threads, so arms share the machine alike.
+One JSON line per run goes to `--out`; the table (training reward by quarter of the run, held-out pass@1 before and
+after with standard errors, stop rates, reply length, minutes) is printed and written beside it as Markdown.
+
+    python bench/learning.py [--arms defaults,no_train_stop,...] [--seeds 0,1] [--steps 20] [--eval-examples 64]
+                             [--jobs 2] [--threads 1] [--out bench/learning_runs.jsonl]
+    python bench/learning.py --table-only          # the table of the runs already in --out
+"""
+
+import argparse, json, math, os, statistics, subprocess, sys, tempfile, time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nanochat_peer import cpu_label  # noqa: E402  the CPU kind, as every benchmark here prints it
+
+# each arm: the Config changes against the recipe as it was before the study (lr 3e-5, no warm-up, cut replies kept,
+# the sampler's distribution and the stop token trained); "hold_stop_row" is not a Config field: see `hold_stop_row`
+BEFORE = dict(lr=3e-5, warmup_steps=0, truncated="keep", logp="sampler", train_stop=True)
+ARMS = {
+    "defaults": {},
+    "no_train_stop": dict(train_stop=False),
+    "nanochat": dict(logp="model", train_stop=False),
+    "low_lr_warmup": dict(lr=1e-5, warmup_steps=5),
+    "mask_truncated": dict(truncated="mask"),
+    "zero_truncated": dict(truncated="zero"),
+    "hold_stop_row": dict(hold_stop_row=True),
+    "zero_warmup": dict(truncated="zero", warmup_steps=5),
+    "zero_low_lr_warmup": dict(truncated="zero", lr=1e-5, warmup_steps=5),
+    "mask_low_lr_warmup": dict(truncated="mask", lr=1e-5, warmup_steps=5),
+}
+
+
+def hold_stop_row(optimizer_builder):
+    "Wrap `build_optimizer`: after every step the stop tokens' rows of the (tied) embedding are put back as they were."
+    import torch
+    from nanorl.engine import stop_token_ids
+
+    def build(model, cfg, optim_state=None):
+        optimizer = optimizer_builder(model, cfg, optim_state)
+        vocab = model.config.vocab_size
+        tables = [p for p in model.parameters() if p.dim() == 2 and p.shape[0] == vocab]   # embedding (= head if tied)
+        step = optimizer.step
+
+        def held_step(*args, **kwargs):
+            ids = torch.tensor(sorted(hold_stop_row.ids), dtype=torch.long)
+            kept = [t.detach()[ids].clone() for t in tables]
+            out = step(*args, **kwargs)
+            with torch.no_grad():
+                for t, k in zip(tables, kept):
+                    t[ids] = k
+            return out
+
+        optimizer.step = held_step
+        return optimizer
+
+    hold_stop_row.ids = set()
+    hold_stop_row.stop_token_ids = stop_token_ids
+    return build
+
+
+def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, out_dir: str) -> dict:
+    "Train one (arm, seed) in this process; its summary."
+    import nanorl.train as train_module
+    from nanorl.demo import set_threads
+    from nanorl.real import real_config, real_tasks, smollm2_path
+
+    set_threads(threads)
+    changes = {**BEFORE, **ARMS[arm]}
+    held = changes.pop("hold_stop_row", False)
+    if held:
+        builder = hold_stop_row(train_module.build_optimizer)
+        original_trainer_init = train_module.Trainer.__init__
+
+        def init(self, cfg, *args, **kwargs):
+            original_trainer_init(self, cfg, *args, **kwargs)
+            hold_stop_row.ids |= hold_stop_row.stop_token_ids(self.tokenizer)
+
+        train_module.build_optimizer, train_module.Trainer.__init__ = builder, init
+    cfg = real_config(smollm2_path(), out_dir, num_steps=steps, eval_every=steps, eval_examples=eval_examples,
+                      save_every=steps, seed=seed, **changes)
+    t0 = time.perf_counter()
+    records = train_module.train(cfg, tasks=real_tasks(seed))
+    minutes = (time.perf_counter() - t0) / 60
+    evals = [r for r in records if "pass@1" in r]
+    return {"arm": arm, "seed": seed, "steps": steps, "eval_examples": eval_examples, "threads": threads,
+            "minutes": minutes, "config": {k: getattr(cfg, k) for k in BEFORE} | {"hold_stop_row": held},
+            "before": evals[0]["pass@1"], "before_se": evals[0]["pass@1_se"], "after": evals[-1]["pass@1"],
+            "after_se": evals[-1]["pass@1_se"], "eval_stop_before": evals[0].get("eval_stop_rate"),
+            "eval_stop_after": evals[-1].get("eval_stop_rate"), "cpu": cpu_label(),
+            "steps_log": [{k: r.get(k) for k in ("step", "reward", "seq_len", "stop_rate", "truncated_frac",
+                                                 "stop_adv", "stop_trained", "grad_norm", "lrm")} for r in records]}
+
+
+def quarters(values):
+    "Means of the four quarters of a list."
+    n = len(values)
+    return [statistics.fmean(values[i * n // 4:(i + 1) * n // 4]) for i in range(4)]
+
+
+def mean_se(values, ses=None):
+    "Mean over seeds and its standard error: within-run errors combined (ses) or the spread over seeds."
+    m = statistics.fmean(values)
+    if ses is not None:
+        return m, math.sqrt(sum(s * s for s in ses)) / len(ses)
+    return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+
+
+def table(runs) -> str:
+    "The Markdown table: one row per arm, means over its seeds."
+    head = ("| arm | seeds | train reward by quarter | pass@1 before | pass@1 after | gain | stop rate, last quarter "
+            "| eval stop rate after | reply length, last quarter | min/run |\n|---" + "|---" * 9 + "|")
+    lines, arms = [head], list(dict.fromkeys(r["arm"] for r in runs))
+    for arm in arms:
+        rs = [r for r in runs if r["arm"] == arm]
+        q = [quarters([s["reward"] for s in r["steps_log"]]) for r in rs]
+        qm = [statistics.fmean(x[i] for x in q) for i in range(4)]
+        b, bse = mean_se([r["before"] for r in rs], [r["before_se"] for r in rs])
+        a, ase = mean_se([r["after"] for r in rs], [r["after_se"] for r in rs])
+        gain, gse = mean_se([r["after"] - r["before"] for r in rs])
+        last = lambda key: statistics.fmean(quarters([s[key] for s in r["steps_log"]])[3] for r in rs)  # noqa: E731
+        stop_after = statistics.fmean(r["eval_stop_after"] for r in rs)
+        lines.append(f"| {arm} | {len(rs)} | {' / '.join(f'{x:.2f}' for x in qm)} | {b:.3f} ± {bse:.3f} "
+                     f"| {a:.3f} ± {ase:.3f} | {gain:+.3f} ± {gse:.3f} | {last('stop_rate'):.2f} | {stop_after:.2f} "
+                     f"| {last('seq_len'):.1f} | {statistics.fmean(r['minutes'] for r in rs):.1f} |")
+    return "\n".join(lines)
+
+
+def launch(arm, seed, args) -> dict:
+    "One (arm, seed) in a fresh process; its summary."
+    with tempfile.TemporaryDirectory(prefix=f"nanorl-{arm}-{seed}-") as out:
+        cmd = [sys.executable, __file__, "--one", arm, str(seed), "--steps", str(args.steps),
+               "--eval-examples", str(args.eval_examples), "--threads", str(args.threads), "--run-dir", out]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{arm} seed {seed} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{arm:>20} seed {seed}: pass@1 {result['before']:.3f} -> {result['after']:.3f}, "
+          f"eval stop {result['eval_stop_after']:.2f}, {result['minutes']:.1f} min", flush=True)
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--eval-examples", type=int, default=64)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "learning_runs.jsonl")
+    p.add_argument("--table-only", action="store_true")
+    p.add_argument("--one", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one_run(args.one[0], int(args.one[1]), args.steps, args.eval_examples, args.threads,
+                                 args.run_dir)))
+        return
+    if not args.table_only:
+        arms = args.arms.split(",")
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown:
+            raise SystemExit(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+        jobs = [(a, int(s)) for s in args.seeds.split(",") for a in arms]
+        print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_label()} | {len(jobs)} runs, {args.jobs} at "
+              f"a time, {args.threads} thread(s) each", flush=True)
+        with ThreadPoolExecutor(args.jobs) as pool, open(args.out, "a") as f:
+            for result in pool.map(lambda job: launch(*job, args), jobs):
+                f.write(json.dumps(result) + "\n")
+                f.flush()
+    runs = [json.loads(line) for line in open(args.out)]
+    text = table(runs)
+    print(text)
+    args.out.with_suffix(".md").write_text(f"{cpu_label()}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
