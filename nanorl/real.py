@@ -14,15 +14,15 @@ from tqdm.auto import tqdm
 from .checkpoint import load_model
 from .engine import Engine
 from .speedups import use_fast_paths
-from .rollout import completion_text, prompt_ids
+from .rollout import TRUNCATION, completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
 from .scale import run_dir
 from .train import Config, train
 from .demo import plot_run, set_threads
 
 # %% auto #0
-__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'REAL_DIFFICULTY', 'final_number', 'FinalNumber', 'smollm2_default', 'smollm2_path',
-           'real_tasks', 'real_config', 'sample_answers', 'run_real', 'real_parser', 'main']
+__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'REAL_DIFFICULTY', 'RECIPE', 'final_number', 'FinalNumber', 'smollm2_default',
+           'smollm2_path', 'real_tasks', 'real_config', 'sample_answers', 'run_real', 'real_parser', 'main']
 
 # %% ../nbs/18_real.ipynb #df1b62d1
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -69,13 +69,13 @@ def real_tasks(seed: int = 0):
     return (FinalNumber(Arithmetic(n=20_000, seed=seed, split="train", difficulty=REAL_DIFFICULTY)),
             FinalNumber(Arithmetic(n=1_000, seed=seed, split="test", difficulty=REAL_DIFFICULTY)))
 
+RECIPE = dict(model_tag="smollm2", device_type="cpu", num_steps=80, examples_per_step=4, num_samples=8,
+              device_batch_size=8, max_new_tokens=48, temperature=0.7, top_k=50, lr=3e-5, warmup_steps=0,
+              truncated="zero", eval_every=40, eval_examples=128, eval_samples=4, save_every=80, dtype="float32")
+
 def real_config(model_path, out_dir: str = "runs/real", **changes) -> Config:
-    "The trainer's Config of the real-model run."
-    settings = dict(model_path=str(model_path), output_dir=out_dir, model_tag="smollm2", device_type="cpu",
-                    num_steps=80, examples_per_step=4, num_samples=8, device_batch_size=8, max_new_tokens=48,
-                    temperature=0.7, top_k=50, lr=3e-5, eval_every=40, eval_examples=128, eval_samples=4,
-                    save_every=80, dtype="float32")
-    return Config(**{**settings, **changes})
+    "The trainer's Config of the real-model run: RECIPE with `changes`."
+    return Config(**{**RECIPE, "model_path": str(model_path), "output_dir": out_dir, **changes})
 
 # %% ../nbs/18_real.ipynb #fae7c29d
 def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
@@ -122,7 +122,11 @@ def real_parser() -> argparse.ArgumentParser:
                                                       f"{smollm2_default()}; `python bench/smollm2.py` builds it)")
     p.add_argument("--out-dir", default="runs/real", help="run directory: checkpoints, metrics, plots")
     p.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default 80)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate at the start (default 3e-5)")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW's peak learning rate (default {RECIPE['lr']})")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"steps of linear learning-rate warm-up (default {RECIPE['warmup_steps']})")
+    p.add_argument("--truncated", choices=TRUNCATION, default=None,
+                   help=f"a reply cut by the token limit: keep, mask or zero (default {RECIPE['truncated']})")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus (default 0: off)")
     p.add_argument("--eval-examples", type=int, default=None, help="held-out problems per evaluation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -139,7 +143,8 @@ def main(argv=None):
     except FileNotFoundError as e:
         sys.exit(f"nanorl.real: error: {e}")
     set_threads(args.threads)
-    given = dict(num_steps=args.num_steps, lr=args.lr, eval_examples=args.eval_examples)
+    given = dict(num_steps=args.num_steps, lr=args.lr, eval_examples=args.eval_examples,
+                 warmup_steps=args.warmup_steps, truncated=args.truncated)
     cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef, logp=args.logp,
                       train_stop=not args.no_train_stop, **{k: v for k, v in given.items() if v is not None})
     s = run_real(cfg)
