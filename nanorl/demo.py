@@ -207,7 +207,7 @@ def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
     _per_step(ax[3], records, "stop_rate", "replies that stopped")
     pts = eval_points(records, len(records), "eval_stop_rate")
     if pts:
-        ax[3].plot([p[0] for p in pts], [p[1] for p in pts], "o", label="held-out")
+        ax[3].scatter([p[0] for p in pts], [p[1] for p in pts], marker="o", label="held-out")
     ax[3].set(ylim=(0, 1.02))
     ax[3].legend(loc="lower right", fontsize=8)
     if entropy:
