@@ -115,7 +115,8 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
     normalizer = step_normalizer(cfg, [p[1] for p in passes], self.device, self.world)  # skipped passes count
     if cfg.skip_zero_signal:
         passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
-    stopped = [r for p in passes for r in p[2].tolist() if batch.stops[r] is not None] if cfg.train_stop and batch.stops else []
+    trained = [r for p in passes for r in p[2].tolist()] if cfg.train_stop and batch.stops else []
+    stopped = [r for r in trained if batch.stops[r] is not None]                 # rows whose stop token is trained
     advantages = scores.advantages.to(self.device)                            # (B,)
     stats = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
     return stats | {"stop_trained": len(stopped), "stop_adv_sum": scores.advantages[stopped].sum().item(),
@@ -411,7 +412,7 @@ class Config:
     kl_coef: float = _flag(0.0, "KL penalty to the starting model (0: off, as nanochat)")
     entropy_coef: float = _flag(0.0, "entropy bonus: minus this times the trained tokens' entropy (0: off)")
     lr_schedule: str = _flag("linear", "learning-rate decay to zero: linear (nanochat) or cosine")
-    warmup_steps: int = _flag(0, "the learning rate rises linearly over the first N steps (0: from the start, nanochat)")
+    warmup_steps: int = _flag(0, "the learning rate rises linearly over the first N steps (0: none, nanochat)")
     truncated: str = _flag("keep", "a reply cut by --max-new-tokens: keep (scored as is, nanochat), mask (left out "
                                    "of the loss) or zero (reward 0)")
     eval_samples: int | None = _flag(None, "samples per eval problem (default: device_batch_size, as nanochat)")
@@ -460,7 +461,8 @@ _CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NOR
 _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new_tokens", "eval_every", "eval_examples",
                              "save_every", "rollout_rows", "max_bad_steps", "num_epochs", "num_steps", "eval_samples",
                              "eval_max_new_tokens"), 1),
-            "num_samples": 2, "temperature": 0, "top_k": 0, "kl_coef": 0, "entropy_coef": 0, "warmup_steps": 0}   # None: the default
+            "num_samples": 2, "temperature": 0, "top_k": 0, "kl_coef": 0, "entropy_coef": 0,
+            "warmup_steps": 0}   # None: the default
 _WHY = {"num_samples": ": the advantage compares samples within a group", "top_k": " (0: the whole vocabulary)"}
 
 def validate(cfg: Config, world_size: int = 1) -> Config:
