@@ -9,6 +9,7 @@ after with standard errors, stop rates, reply length, minutes) is printed and wr
     python bench/learning.py [--arms defaults,no_train_stop,...] [--seeds 0,1] [--steps 20] [--eval-examples 64]
                              [--jobs 2] [--threads 1] [--out bench/learning_runs.jsonl]
     python bench/learning.py --table-only          # the table of the runs already in --out
+    python bench/learning.py --first-step --threads 2   # AdamW's first step: weights moved, replies stopping
 """
 
 import argparse, json, math, os, statistics, subprocess, sys, tempfile, time
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from nanochat_peer import cpu_label  # noqa: E402  the CPU kind, as every benchmark here prints it
 
 # each arm: the Config changes against the recipe as it was before the study (lr 3e-5, no warm-up, cut replies kept,
-# the sampler's distribution and the stop token trained); "hold_stop_row" is not a Config field: see `hold_stop_row`
+# the sampler's distribution and the stop token trained); "hold_stop_row" is not a Config field: see `hold_stop_rows`
 BEFORE = dict(lr=3e-5, warmup_steps=0, truncated="keep", logp="sampler", train_stop=True)
 ARMS = {
     "defaults": {},
@@ -36,32 +37,25 @@ ARMS = {
 }
 
 
-def hold_stop_row(optimizer_builder):
-    "Wrap `build_optimizer`: after every step the stop tokens' rows of the (tied) embedding are put back as they were."
+def hold_stop_rows(trainer):
+    "After every optimizer step, put the stop tokens' rows of the (tied) embedding back as they were."
     import torch
     from nanorl.engine import stop_token_ids
 
-    def build(model, cfg, optim_state=None):
-        optimizer = optimizer_builder(model, cfg, optim_state)
-        vocab = model.config.vocab_size
-        tables = [p for p in model.parameters() if p.dim() == 2 and p.shape[0] == vocab]   # embedding (= head if tied)
-        step = optimizer.step
+    ids = torch.tensor(sorted(stop_token_ids(trainer.tokenizer)), dtype=torch.long)
+    vocab = trainer.model.config.vocab_size
+    tables = [p for p in trainer.model.parameters() if p.dim() == 2 and p.shape[0] == vocab]   # embedding (= head)
+    step = trainer.optimizer.step
 
-        def held_step(*args, **kwargs):
-            ids = torch.tensor(sorted(hold_stop_row.ids), dtype=torch.long)
-            kept = [t.detach()[ids].clone() for t in tables]
-            out = step(*args, **kwargs)
-            with torch.no_grad():
-                for t, k in zip(tables, kept):
-                    t[ids] = k
-            return out
+    def held_step(*args, **kwargs):
+        kept = [t.detach()[ids].clone() for t in tables]
+        out = step(*args, **kwargs)
+        with torch.no_grad():
+            for t, k in zip(tables, kept):
+                t[ids] = k
+        return out
 
-        optimizer.step = held_step
-        return optimizer
-
-    hold_stop_row.ids = set()
-    hold_stop_row.stop_token_ids = stop_token_ids
-    return build
+    trainer.optimizer.step = held_step
 
 
 def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, out_dir: str) -> dict:
@@ -73,15 +67,9 @@ def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, o
     set_threads(threads)
     changes = {**BEFORE, **ARMS[arm]}
     held = changes.pop("hold_stop_row", False)
-    if held:
-        builder = hold_stop_row(train_module.build_optimizer)
-        original_trainer_init = train_module.Trainer.__init__
-
-        def init(self, cfg, *args, **kwargs):
-            original_trainer_init(self, cfg, *args, **kwargs)
-            hold_stop_row.ids |= hold_stop_row.stop_token_ids(self.tokenizer)
-
-        train_module.build_optimizer, train_module.Trainer.__init__ = builder, init
+    if held:                                   # every Trainer this process builds holds its stop rows
+        init = train_module.Trainer.__init__
+        train_module.Trainer.__init__ = lambda self, *a, **kw: (init(self, *a, **kw), hold_stop_rows(self))[0]
     cfg = real_config(smollm2_path(), out_dir, num_steps=steps, eval_every=steps, eval_examples=eval_examples,
                       save_every=steps, seed=seed, **changes)
     t0 = time.perf_counter()
@@ -95,6 +83,29 @@ def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, o
             "eval_stop_after": evals[-1].get("eval_stop_rate"), "cpu": cpu_label(),
             "steps_log": [{k: r.get(k) for k in ("step", "reward", "seq_len", "stop_rate", "truncated_frac",
                                                  "stop_adv", "stop_trained", "grad_norm", "lrm")} for r in records]}
+
+
+def first_step(threads: int, **changes) -> dict:
+    "One RL step from SmolLM2: how far AdamW moved each weight (in units of the step's rate), and replies stopping."
+    import torch
+    from nanorl.demo import set_threads
+    from nanorl.real import real_config, real_tasks, smollm2_path
+    from nanorl.rollout import step_examples
+    from nanorl.train import Trainer
+
+    set_threads(threads)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = real_config(smollm2_path(), out, num_steps=40, **{**BEFORE, **changes})
+        trainer = Trainer(cfg, tasks=real_tasks(cfg.seed))
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        record = trainer.step(0)
+        moved = torch.cat([((p.detach() - before[n]).abs() / record["lr"]).flatten()
+                           for n, p in trainer.model.named_parameters()])                   # (parameters,)
+        again = trainer.sample(0, step_examples(0, cfg.examples_per_step, len(trainer.train_task)))  # same seeds
+    return {"changes": changes, "lr_step0": record["lr"], "stop_before": record["stop_rate"],
+            "stop_after": 1 - again.truncated(cfg.max_new_tokens).float().mean().item(),
+            "median_move_over_lr": moved.median().item(), "moved_over_half_lr": (moved > 0.5).float().mean().item(),
+            "parameters": moved.numel(), "cpu": cpu_label()}
 
 
 def quarters(values):
@@ -156,12 +167,18 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "learning_runs.jsonl")
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--first-step", action="store_true",
+                   help="instead: one step at lr 3e-5 and at lr 1e-5 with 5 warm-up steps, and stopping before/after")
     p.add_argument("--one", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_run(args.one[0], int(args.one[1]), args.steps, args.eval_examples, args.threads,
                                  args.run_dir)))
+        return
+    if args.first_step:
+        for changes in (dict(lr=3e-5), dict(lr=1e-5, warmup_steps=5)):
+            print(json.dumps(first_step(args.threads, **changes)), flush=True)
         return
     if not args.table_only:
         arms = args.arms.split(",")

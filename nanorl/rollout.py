@@ -121,14 +121,15 @@ def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollo
     return per_call // 2
 
 # %% ../nbs/10_rollout.ipynb #d0055f73
-def trained_rows(batch: Rollout, rows, train_stop: bool = True):
-    "(sequences, masks, log-probs) of `rows` as trained: each ended by its sampled stop token (mask 1) if train_stop."
+def trained_rows(batch: Rollout, rows, train_stop: bool = True, untrained=None):
+    "(sequences, masks, log-probs) of `rows` as trained: stop token added if train_stop, no token of `untrained` rows."
     seqs, masks, logps = [], [], []
     for r in rows:
         stop = batch.stops[r] if train_stop and batch.stops else None
         tail = ([stop[0]], [1], [stop[1]]) if stop else ([], [], [])
         seqs.append(list(batch.sequences[r]) + tail[0])
-        masks.append(list(batch.masks[r]) + tail[1])
+        mask = list(batch.masks[r]) + tail[1]
+        masks.append([0] * len(mask) if untrained is not None and untrained[r] else mask)   # untrained: (B,) bool
         logps.append(list(batch.logprobs[r]) + tail[2] if batch.logprobs else None)
     return seqs, masks, logps
 

@@ -106,9 +106,8 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
     "Forward and backward every training pass of the batch; returns the summed loss and token statistics."
     cfg, passes = self.cfg, []
     for rows in microbatches(num_groups, cfg.num_samples, cfg.device_batch_size):
-        seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop)        # each row ended by its stop token
-        if cfg.truncated == "mask":                                           # cut rows: no token trained
-            masks = [[0] * len(m) if scores.truncated[r] else m for r, m in zip(rows, masks)]
+        cut = scores.truncated if cfg.truncated == "mask" else None           # --truncated mask: cut rows untrained
+        seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop, cut)   # each row ended by its stop token
         inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
         sampled = [] if None in logps else [collate_logprobs(logps, self.device)]   # (b, T): the engine's
         passes.append((inputs, targets, torch.tensor(rows), *sampled))
