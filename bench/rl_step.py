@@ -9,7 +9,10 @@ both see the same machine load. A step is steady from the second one on: nanocha
 (about a minute) and both evaluate there.
 
     python bench/rl_step.py [--rounds 2] [--steps 8] [--threads 2] [--isa native|avx2] [--nanochat-src PATH]
-                            [--before CHECKOUT | --old-flags]
+                            [--before CHECKOUT | --old-flags | --dtype bfloat16]
+
+`--dtype bfloat16` compares nanorl in float32 (the peer) with nanorl under `--dtype bfloat16`, side by side: the
+figure to read on a CPU with native bf16 (avx512_bf16 or AMX in lscpu).
 """
 
 import argparse, json, os, statistics, subprocess, sys, tempfile, time
@@ -105,19 +108,22 @@ def main():
     ap.add_argument("--before", default=None, help="instead of nanochat, compare with nanorl from this checkout")
     ap.add_argument("--old-flags", action="store_true",
                     help="instead of nanochat, compare with nanorl's update before it was on-policy: " + " ".join(OLD))
+    ap.add_argument("--dtype", default=None, help="instead of nanochat, compare nanorl float32 with nanorl in this dtype")
     args = ap.parse_args()
     base = base_dir(args)
     now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"# {now} | {cpu_label()} | isa {args.isa} | {args.threads} threads", flush=True)
-    peer = "before" if args.before else "old" if args.old_flags else "nanochat"
+    peer = "before" if args.before else "old" if args.old_flags else "float32" if args.dtype else "nanochat"
     peer_run = {
         "before": lambda a, b: nanorl_run(a, b, Path(args.before).resolve()),
         "old": lambda a, b: nanorl_run(a, b, extra=OLD),
+        "float32": lambda a, b: nanorl_run(a, b, extra=["--dtype", "float32"]),
         "nanochat": nanochat_run,
     }[peer]
+    ours = (lambda a, b: nanorl_run(a, b, extra=["--dtype", args.dtype])) if args.dtype else nanorl_run
     runs = {peer: [], "nanorl": []}
     for _ in range(args.rounds):
-        for side, run in ((peer, peer_run), ("nanorl", nanorl_run)):
+        for side, run in ((peer, peer_run), ("nanorl", ours)):
             t0 = time.perf_counter()
             r = run(args, base)
             runs[side].append(r)
@@ -135,7 +141,8 @@ def main():
     steps = {f"{k}_step": v for k, v in med.items()}
     print(
         json.dumps(
-            {"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), **steps, "ratio": med[peer] / med["nanorl"]}
+            {"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), "dtype": args.dtype or "float32", **steps,
+             "ratio": med[peer] / med["nanorl"]}
         )
     )
 

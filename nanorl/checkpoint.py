@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_checkpoint.ipynb #63771ce2
 from __future__ import annotations
-import json, os, re, shutil, warnings
+import hashlib, json, os, re, shutil, warnings
 from pathlib import Path
 import torch
 from .model import GPT, GPTConfig, NANOCHAT_CONFIG_KEYS
@@ -15,11 +15,11 @@ from .llama import (SAFETENSORS_FILE, SAFETENSORS_INDEX, ChatTokenizer, load_lla
 # %% auto #0
 __all__ = ['SOURCES', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'CheckpointError', 'get_base_dir', 'checkpoint_steps',
            'find_last_step', 'find_largest_model', 'detect_generation', 'read_state_dict', 'read_meta',
-           'config_from_meta', 'build_model', 'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps',
-           'is_hf_folder', 'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model', 'atomic_save',
-           'nanochat_meta', 'save_run_state', 'save_checkpoint', 'load_checkpoint', 'load_resume_state',
-           'ties_embeddings', 'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype',
-           'save_hf_checkpoint', 'read_hf_state', 'save_hf_step']
+           'config_from_meta', 'file_sha256', 'manifest_path', 'write_manifest', 'verify_files', 'build_model',
+           'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps', 'is_hf_folder', 'check_hf_folder',
+           'resolve_hf_folder', 'load_hf_model', 'load_model', 'atomic_save', 'nanochat_meta', 'save_run_state',
+           'save_checkpoint', 'load_checkpoint', 'load_resume_state', 'ties_embeddings', 'hf_state_dict', 'shard_state',
+           'write_safetensors', 'config_with_dtype', 'save_hf_checkpoint', 'read_hf_state', 'save_hf_step']
 
 # %% ../nbs/04_checkpoint.ipynb #7c27b53e
 SOURCES = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -106,7 +106,51 @@ def config_from_meta(meta, generation) -> GPTConfig:
     "GPTConfig from nanochat's `model_config` (a missing window_pattern means 'L', as nanochat patches it)."
     cfg = {k: v for k, v in meta["model_config"].items() if k in NANOCHAT_CONFIG_KEYS}
     cfg.setdefault("window_pattern", "L")
+    wrong = {k: v for k, v in cfg.items() if k != "window_pattern" and (type(v) is not int or v < 1)}
+    if wrong or not isinstance(cfg["window_pattern"], str):
+        raise CheckpointError(f"expected positive integers (and a window_pattern string) in the meta's model_config, "
+                              f"found {wrong or {'window_pattern': cfg['window_pattern']}}")
     return GPTConfig(**cfg, generation=generation)
+
+# %% ../nbs/04_checkpoint.ipynb #523d04a0
+def file_sha256(path) -> str:
+    "The sha256 of a file's bytes."
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+def manifest_path(checkpoint_dir, step, rank=0) -> Path:
+    "The manifest of what `rank` wrote for `step`."
+    return Path(checkpoint_dir) / f"manifest_{step:06d}_rank{rank}.json"
+
+def write_manifest(checkpoint_dir, step, names, rank=0):
+    "Record the sha256 of every file `names` holds (a folder: each file in it), written after them."
+    d, files = Path(checkpoint_dir), {}
+    for name in names:
+        path = d / name
+        for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+            files[f.relative_to(d).as_posix()] = file_sha256(f)
+    atomic_save({"step": step, "rank": rank, "sha256": files}, manifest_path(d, step, rank))
+
+def verify_files(checkpoint_dir, step, names, rank=0):
+    "Raise a CheckpointError naming a file of `names` whose bytes differ from its manifest (none written: no check)."
+    path = manifest_path(checkpoint_dir, step, rank)
+    if not path.is_file():
+        return                                      # nanochat's own checkpoints, or one from before manifests
+    try:
+        recorded = json.loads(path.read_text())["sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"expected a manifest (JSON with 'sha256') in {path}, found unreadable content") from e
+    for name in names:
+        for rel, digest in recorded.items():
+            if rel == name or rel.startswith(name + "/"):
+                f = Path(checkpoint_dir) / rel
+                if not f.is_file() or file_sha256(f) != digest:
+                    what = "is missing" if not f.is_file() else "differs from what was written (corrupt or replaced)"
+                    raise CheckpointError(f"{f} {what}: its sha256 is recorded in {path.name}")
+
 
 # %% ../nbs/04_checkpoint.ipynb #c01c1dac
 def build_model(checkpoint_dir, step, device, phase="eval", generation=None):
@@ -114,10 +158,14 @@ def build_model(checkpoint_dir, step, device, phase="eval", generation=None):
     if phase not in ("eval", "train"):
         raise ValueError(f"phase must be 'eval' or 'train', got {phase!r}")
     device = torch.device(device)
+    verify_files(checkpoint_dir, step, [f"model_{step:06d}.pt", f"meta_{step:06d}.json"])   # if a manifest is there
     meta = read_meta(checkpoint_dir, step)
     state = read_state_dict(Path(checkpoint_dir) / f"model_{step:06d}.pt", device)
     generation = generation or detect_generation(state)
-    config = config_from_meta(meta, generation)
+    try:
+        config = config_from_meta(meta, generation)
+    except CheckpointError as e:
+        raise CheckpointError(f"{Path(checkpoint_dir) / f'meta_{step:06d}.json'}: {e}") from e
     with torch.device("meta"):
         model = GPT(config)
     expected = set(model.state_dict())
@@ -230,8 +278,9 @@ def load_hf_model(folder, device, phase="eval"):
     try:
         model = load_llama(folder, torch.device(device))
         tokenizer = ChatTokenizer.from_directory(folder)
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {e}") from e
+    except Exception as e:                        # truncated safetensors or tokenizer.json, a template that won't parse
+        raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {type(e).__name__}: "
+                              f"{str(e)[:300]}; the folder's files may be truncated or corrupt") from e
     if tokenizer.get_vocab_size() > model.config.vocab_size:
         raise CheckpointError(f"tokenizer.json in {folder} has {tokenizer.get_vocab_size()} tokens, more than the "
                               f"model's vocab_size={model.config.vocab_size}")
@@ -269,8 +318,9 @@ def load_model(source_or_dir, device, model_tag=None, step=None, phase="eval", b
     tokenizer_dir = base / "tokenizer"
     try:
         tokenizer = Tokenizer.from_directory(tokenizer_dir, allow_pickle=allow_pickle)
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer of {checkpoint_dir}: {e}") from e
+    except Exception as e:                                          # a truncated tokenizer.pkl, too
+        raise CheckpointError(f"cannot load the tokenizer in {tokenizer_dir} (for {checkpoint_dir}): "
+                              f"{type(e).__name__}: {str(e)[:300]}") from e
     if tokenizer.get_vocab_size() != model.config.vocab_size:
         raise CheckpointError(f"tokenizer in {tokenizer_dir} has {tokenizer.get_vocab_size()} tokens, "
                               f"the model expects vocab_size={model.config.vocab_size}")
@@ -311,42 +361,50 @@ def nanochat_meta(meta) -> dict:
     return meta
 
 # %% ../nbs/04_checkpoint.ipynb #9cdcacbf
-def save_run_state(checkpoint_dir, step, optim_state, rank=0, resume_state=None) -> Path:
-    "This rank's optimizer state (if given) and resume state (if given), written atomically; returns the folder."
-    d = Path(checkpoint_dir)
+def save_run_state(checkpoint_dir, step, optim_state, rank=0, resume_state=None) -> list[str]:
+    "This rank's optimizer state (if given) and resume state (if given), written atomically; returns their names."
+    d, names = Path(checkpoint_dir), []
     d.mkdir(parents=True, exist_ok=True)
-    if optim_state is not None:
-        atomic_save(optim_state, d / f"optim_{step:06d}_rank{rank}.pt")
-    if resume_state is not None:
-        atomic_save(resume_state, d / f"resume_{step:06d}_rank{rank}.pt")
-    return d
+    for kind, state in (("optim", optim_state), ("resume", resume_state)):
+        if state is not None:
+            names.append(f"{kind}_{step:06d}_rank{rank}.pt")
+            atomic_save(state, d / names[-1])
+    return names
 
 def save_checkpoint(checkpoint_dir, step, model_state, optim_state, meta, rank=0, resume_state=None):
-    "nanochat's layout: model/meta (rank 0), optim per rank, plus an optional resume state per rank; atomic writes."
-    d = save_run_state(checkpoint_dir, step, optim_state, rank, resume_state)
+    "nanochat's layout: model/meta (rank 0), optim per rank, an optional resume state per rank, then the manifest."
+    d, names = Path(checkpoint_dir), save_run_state(checkpoint_dir, step, optim_state, rank, resume_state)
     if rank == 0:
-        atomic_save({k.removeprefix("_orig_mod."): v for k, v in model_state.items()}, d / f"model_{step:06d}.pt")
-        atomic_save(nanochat_meta(meta), d / f"meta_{step:06d}.json")
+        names += [f"model_{step:06d}.pt", f"meta_{step:06d}.json"]
+        atomic_save({k.removeprefix("_orig_mod."): v for k, v in model_state.items()}, d / names[-2])
+        atomic_save(nanochat_meta(meta), d / names[-1])
+    write_manifest(d, step, names, rank)
 
 def load_checkpoint(checkpoint_dir, step, device="cpu", load_optimizer=False, rank=0):
     "(model_state, optim_state or None, meta) of one step, as nanochat's load_checkpoint (or of a step_<N> HF folder)."
     hf_dir = Path(checkpoint_dir) / f"step_{step:06d}"
     if hf_dir.is_dir() and not (Path(checkpoint_dir) / f"model_{step:06d}.pt").exists():
+        verify_files(checkpoint_dir, step, [hf_dir.name])
         model_state, meta = read_hf_state(hf_dir, device)
     else:
+        verify_files(checkpoint_dir, step, [f"model_{step:06d}.pt", f"meta_{step:06d}.json"])
         model_state, meta = read_state_dict(Path(checkpoint_dir) / f"model_{step:06d}.pt", device), None
     optim_state = None
     if load_optimizer:
         path = Path(checkpoint_dir) / f"optim_{step:06d}_rank{rank}.pt"
         if not path.is_file():
             raise CheckpointError(f"expected optimizer state {path.name} in {checkpoint_dir}, found no such file")
+        verify_files(checkpoint_dir, step, [path.name], rank)
         optim_state = torch.load(path, map_location=device, weights_only=True)
     return model_state, optim_state, meta or read_meta(checkpoint_dir, step)
 
 def load_resume_state(checkpoint_dir, step, rank=0):
     "The resume state saved with `step` for `rank`, or None if there is none."
     path = Path(checkpoint_dir) / f"resume_{step:06d}_rank{rank}.pt"
-    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+    if not path.is_file():
+        return None
+    verify_files(checkpoint_dir, step, [path.name], rank)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 # %% ../nbs/04_checkpoint.ipynb #9b7fa9d6
 MAX_SHARD_BYTES = 2 * 1024**3
@@ -455,6 +513,7 @@ def read_hf_state(folder, device="cpu"):
 
 def save_hf_step(checkpoint_dir, step, model, source_folder, optim_state=None, rank=0, resume_state=None):
     "One step of an RL run: optimizer (if given) and resume state per rank, then (rank 0) the step_<N> folder."
-    d = save_run_state(checkpoint_dir, step, optim_state, rank, resume_state)
+    names = save_run_state(checkpoint_dir, step, optim_state, rank, resume_state)
     if rank == 0:
-        save_hf_checkpoint(hf_step_dir(d, step), model, source_folder)
+        names.append(save_hf_checkpoint(hf_step_dir(checkpoint_dir, step), model, source_folder).name)
+    write_manifest(checkpoint_dir, step, names, rank)

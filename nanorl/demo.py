@@ -21,12 +21,14 @@ from .speedups import use_fast_paths
 from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
+from .scale import lock_run_dir, release_run_dir
 from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks, train
 
 # %% auto #0
-__all__ = ['DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch', 'sampled_accuracy',
-           'sft_warmup', 'save_sft', 'rl_config', 'eval_points', 'moving_average', 'plot_run', 'set_threads',
-           'clear_run', 'prepare', 'run_rl', 'before_after', 'run_demo', 'demo_parser', 'main']
+__all__ = ['DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',
+           'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config', 'eval_points', 'moving_average', 'plot_run',
+           'set_threads', 'demo_files', 'record_files', 'claim_dir', 'prepare', 'run_rl', 'before_after', 'run_demo',
+           'demo_parser', 'main']
 
 # %% ../nbs/17_demo.ipynb #3b6f2382
 @dataclass
@@ -67,6 +69,8 @@ class DemoConfig:
     def __post_init__(self):
         if self.rl_steps < 2:
             raise ValueError(f"rl_steps must be >= 2 (one measurement before RL, one after), got {self.rl_steps}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: $OMP_NUM_THREADS, else 1), got {self.threads}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         if not 0 < self.sft_target <= 1:
@@ -225,16 +229,44 @@ def set_threads(threads: int = 0) -> int:
     torch.set_num_threads(n)
     return n
 
-def clear_run(out: Path, tag: str):
-    "Remove what an earlier demo run wrote under `out` (and nothing else)."
-    for sub in ("tokenizer", f"chatsft_checkpoints/{tag}", f"chatrl_checkpoints/{tag}", "control"):
-        if (out / sub).exists():
-            shutil.rmtree(out / sub)
+DEMO_MARK = ".nanorl-demo.json"   # in the demo's folder: every file the demo wrote there
+
+def demo_files(out: Path) -> set[str]:
+    "Every file under `out` but the demo's mark and the runs' locks, as paths relative to `out`."
+    return {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name not in (DEMO_MARK, ".lock")}
+
+def record_files(out: Path):
+    "Write the demo's mark: every file now under `out` is the demo's (it refused any folder holding others)."
+    (out / DEMO_MARK).write_text(json.dumps({"files": sorted(demo_files(out))}, indent=0))
+
+def claim_dir(out: Path):
+    "Lock `out` and remove what an earlier demo wrote there; a ValueError if it holds anything the demo did not write."
+    out.mkdir(parents=True, exist_ok=True)
+    own_lock = not (out / ".lock").exists()
+    lock_run_dir(out)                                   # two demos on one folder: the second stops here
+    mark = out / DEMO_MARK
+    written = set(json.loads(mark.read_text())["files"]) if mark.is_file() else set()
+    stray = sorted(demo_files(out) - written)
+    if stray:
+        release_run_dir(out)
+        if own_lock:
+            (out / ".lock").unlink()                    # the folder is left as it was found
+        killed = " (a demo killed mid-run leaves files it had not listed yet: delete the folder)" if written else ""
+        raise ValueError(f"--out-dir {out} holds files the demo did not write ({', '.join(stray[:3])}"
+                         f"{', ...' if len(stray) > 3 else ''}); the demo only replaces its own files: give it a new "
+                         f"or empty folder{killed}")
+    for name in written:
+        (out / name).unlink(missing_ok=True)
+    for d in sorted({(out / n).parent for n in written}, key=lambda p: -len(p.parts)):   # deepest first
+        while d != out and d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+            d = d.parent
+    record_files(out)
 
 def prepare(dc: DemoConfig, progress: bool = True) -> dict:
     "Tokenizer, model, SFT warm-up and the SFT checkpoint under dc.out_dir; returns timings and the SFT history."
     out = Path(dc.out_dir)
-    clear_run(out, dc.tag)
+    claim_dir(out)
     t0 = time.perf_counter()
     train_task, _ = make_tasks(Config(task="arithmetic", seed=dc.seed))
     tokenizer = train_tokenizer(train_task, dc.vocab_size)
@@ -243,6 +275,7 @@ def prepare(dc: DemoConfig, progress: bool = True) -> dict:
     dev = Arithmetic(n=dc.sft_dev_problems, seed=dc.seed + 999, split="test")
     history = sft_warmup(model, tokenizer, train_task, dev, dc, progress=progress)
     save_sft(out, model, tokenizer, len(history), dc)
+    record_files(out)
     t2 = time.perf_counter()
     return {"sft": history, "params": model.num_params(), "vocab_size": tokenizer.get_vocab_size(),
             "time": {"tokenizer": t1 - t0, "sft": t2 - t1}}
@@ -252,7 +285,10 @@ def run_rl(dc: DemoConfig, control: bool = False) -> tuple[list[dict], float]:
     "The RL run (or its control) from the demo's SFT checkpoint; returns the trainer's records and the seconds it took."
     t0 = time.perf_counter()
     cfg = rl_config(dc, control=control)
-    records = train(cfg, tasks=make_control_tasks(cfg) if control else None)
+    try:
+        records = train(cfg, tasks=make_control_tasks(cfg) if control else None)
+    finally:
+        record_files(Path(dc.out_dir))                  # checkpoints and metrics are the demo's, even after a crash
     return records, time.perf_counter() - t0
 
 def before_after(records) -> tuple[float, float]:
@@ -275,6 +311,7 @@ def run_demo(dc: DemoConfig, progress: bool = True, plot: bool = True) -> dict:
                    records=records)
     summary["time"]["total"] = time.perf_counter() - t0
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    record_files(out)
     return summary
 
 # %% ../nbs/17_demo.ipynb #b26b5062
@@ -302,15 +339,12 @@ def demo_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     "Entry point of `python -m nanorl.demo`."
     args = demo_parser().parse_args(argv)
-    dc = DemoConfig(out_dir=args.out_dir, seed=args.seed, threads=args.threads, train_stop=not args.no_train_stop)
-    if args.quick:
-        dc = dc.quick()
-    if args.rl_steps is not None:
-        try:
-            dc = replace(dc, rl_steps=args.rl_steps)
-        except ValueError as e:
-            sys.exit(f"nanorl.demo: error: {e}")
-    s = run_demo(dc)
+    try:
+        dc = DemoConfig(out_dir=args.out_dir, seed=args.seed, threads=args.threads, train_stop=not args.no_train_stop)
+        dc = replace(dc.quick() if args.quick else dc, **{} if args.rl_steps is None else {"rl_steps": args.rl_steps})
+        s = run_demo(dc)
+    except (ValueError, OSError) as e:
+        sys.exit(f"nanorl.demo: error: {e}")
     times = ", ".join(f"{k} {v:.0f}s" for k, v in s["time"].items())
     tqdm.write(f"{s['params']:,} parameters, vocabulary {s['vocab_size']}, {len(s['sft'])} SFT steps, "
           f"{dc.rl_steps} RL steps, {s['torch_threads']} threads; {times}; plots in {s['plot']}")

@@ -17,7 +17,7 @@ from .speedups import use_fast_paths
 from .rollout import TRUNCATION, completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
 from .scale import run_dir
-from .train import Config, train
+from .train import Config, NonFiniteError, train, validate
 from .demo import plot_run, set_threads
 
 # %% auto #0
@@ -133,6 +133,7 @@ def real_parser() -> argparse.ArgumentParser:
     p.add_argument("--logp", choices=("sampler", "model"), default="sampler",
                    help="the distribution trained: the sampler's (default) or the raw model's (nanochat's)")
     p.add_argument("--no-train-stop", action="store_true", help="leave the sampled stop token untrained (nanochat's)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last checkpoint")
     return p
 
 def main(argv=None):
@@ -142,12 +143,17 @@ def main(argv=None):
         folder = smollm2_path(args.model_path)
     except FileNotFoundError as e:
         sys.exit(f"nanorl.real: error: {e}")
-    set_threads(args.threads)
     given = dict(num_steps=args.num_steps, lr=args.lr, eval_examples=args.eval_examples,
                  warmup_steps=args.warmup_steps, truncated=args.truncated)
-    cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef, logp=args.logp,
+    cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef, logp=args.logp, resume=args.resume,
                       train_stop=not args.no_train_stop, **{k: v for k, v in given.items() if v is not None})
-    s = run_real(cfg)
+    try:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        set_threads(args.threads)
+        s = run_real(validate(cfg))
+    except (ValueError, OSError, NonFiniteError) as e:
+        sys.exit(f"nanorl.real: error: {e}")
     tqdm.write(f"held-out pass@1 {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± {s['after_se']:.3f} "
           f"in {s['seconds'] / 60:.1f} min; curves: {s['plot']}")
     return s

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_rewards.ipynb #c21d7a2c
 from __future__ import annotations
-import re
+import numbers, re
 from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal, Context, InvalidOperation
@@ -18,7 +18,7 @@ from .calculator import exact_value
 # %% auto #0
 __all__ = ['NANOCHAT_ANSWER_RE', 'ANSWER_MARKER_RE', 'COUNTDOWN_CHARS', 'TASK_PROTOCOL', 'canonical_number', 'extract_answer',
            'RewardShaping', 'reference_answer', 'Task', 'conversation_text', 'last_tagged', 'countdown_reward',
-           'TaskView', 'Solved', 'as_task']
+           'TaskView', 'checked_reward', 'Solved', 'as_task']
 
 # %% ../nbs/07_rewards.ipynb #459549f2
 NANOCHAT_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's pattern (tasks/gsm8k.py)
@@ -235,10 +235,18 @@ class TaskView:
     def evaluate(self, conversation, completion):
         return self.task.evaluate(conversation, completion)
 
+def checked_reward(value, task) -> float:
+    "A reward as a float; a ValueError naming the task when it is not one number."
+    one_number = callable(getattr(value, "numel", None)) and value.numel() == 1       # a tensor of one element
+    if not (isinstance(value, numbers.Real) or one_number):
+        raise ValueError(f"{type(task).__name__}.reward returned {value!r} ({type(value).__name__}); "
+                         "a reward must be a number (e.g. 1.0 for a right answer, 0.0 else)")
+    return float(value)
+
 class Solved(TaskView):
     "A task without `evaluate`: a completion counts as solved when its reward is at least 1."
     def evaluate(self, conversation, completion):
-        return self.task.reward(conversation, completion) >= 1.0
+        return checked_reward(self.task.reward(conversation, completion), self.task) >= 1.0
 
 def as_task(task, name: str = "task"):
     "`task` itself if it follows the task protocol (wrapped in `Solved` when it lacks `evaluate`); else a TypeError."

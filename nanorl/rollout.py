@@ -4,16 +4,18 @@
 
 # %% auto #0
 __all__ = ['TRUNCATION', 'problem_seed', 'sample_seeds', 'step_examples', 'Sampling', 'Rollout', 'assistant_prefix', 'prompt_ids',
-           'rollout', 'halve_after_oom', 'trained_rows', 'collate_logprobs', 'collate', 'completion_text', 'Scores',
-           'score', 'microbatches']
+           'check_prompt_room', 'rollout', 'halve_after_oom', 'trained_rows', 'collate_logprobs', 'collate',
+           'completion_text', 'Scores', 'score', 'microbatches']
 
 # %% ../nbs/10_rollout.ipynb #a5efe9b6
+import json
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from .advantages import compute_advantages, zero_signal_groups
+from .rewards import checked_reward
 
 
 # %% ../nbs/10_rollout.ipynb #de1e800c
@@ -85,6 +87,19 @@ def prompt_ids(tokenizer, conversation) -> list[int]:
     return ids + tokenizer.encode(prefix) if prefix else ids
 
 # %% ../nbs/10_rollout.ipynb #66b4673b
+def check_prompt_room(tokenizer, task, max_new_tokens: int, limit: int, flag: str = "--max-new-tokens", look=64):
+    "Raise a ValueError naming `flag` if the task's longest prompts (the `look` longest by characters) leave no room."
+    by_chars = sorted(range(len(task)), key=lambda i: -len(json.dumps(task[i], default=str)))[:look]
+    try:
+        longest, i = max((len(prompt_ids(tokenizer, task[i])), i) for i in by_chars)
+    except Exception as e:                          # a chat template that raises, a conversation it cannot render
+        raise ValueError(f"the prompt of problem {by_chars[0]} of {type(task).__name__} cannot be rendered by the "
+                         f"tokenizer's chat template ({type(e).__name__}: {e})") from e
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"{flag} {max_new_tokens}: problem {i} of {type(task).__name__} has a prompt of {longest} "
+                         f"tokens, and prompt + new tokens must fit the model's {limit} positions; lower {flag} to at "
+                         f"most {limit - longest}")
+
 def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_rows: int) -> Rollout:
     "A group of samples for each problem of `indices`, in engine calls of at most `max_rows` rows."
     prompts = [prompt_ids(tokenizer, task[i]) for i in indices]
@@ -181,7 +196,7 @@ def score(tokenizer, task, indices, batch: Rollout, num_samples: int, advantage:
         g = row // num_samples
         text = completion_text(tokenizer, seq, len(batch.prompts[g]), conversations[g])
         if not shaping:
-            rewards.append(task.reward(conversations[g], text))
+            rewards.append(checked_reward(task.reward(conversations[g], text), task))
             continue
         parts = task.reward_terms(conversations[g], text)
         for k, v in parts.items():

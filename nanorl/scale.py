@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_scale.ipynb #a7c3e915
 from __future__ import annotations
-import ctypes, datetime, hashlib, os, tempfile, warnings
+import ctypes, datetime, fcntl, hashlib, os, shutil, socket, tempfile, warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -22,12 +22,14 @@ from .checkpoint import (CheckpointError, checkpoint_steps, get_base_dir, hf_che
 from .speedups import packed_weights
 
 # %% auto #0
-__all__ = ['autodetect_device_type', 'init_distributed', 'process_group', 'compute_dtype', 'autocast_for', 'check_rank_settings',
-           'sync_gradients', 'reduce_sums', 'reduce_max', 'use_sparse_embedding_grads', 'densify_grads', 'is_sharded',
-           'shard_units', 'shard_model', 'gathered', 'GatheredMuon', 'gather_muon', 'full_tensor', 'full_model_state',
-           'full_optim_state', 'sharded_optim_state', 'held_bytes', 'reset_peak_memory', 'peak_memory', 'PhasePeaks',
-           'memory_per_rank', 'run_dir', 'check_writable', 'elastic_restarts', 'complete_steps', 'ranks_hint',
-           'load_resume_point', 'resume_point', 'param_fingerprint', 'check_ranks_agree']
+__all__ = ['STEERING', 'autodetect_device_type', 'init_distributed', 'process_group', 'compute_dtype', 'autocast_for',
+           'check_rank_settings', 'sync_gradients', 'reduce_sums', 'reduce_max', 'use_sparse_embedding_grads',
+           'densify_grads', 'is_sharded', 'shard_units', 'shard_model', 'gathered', 'GatheredMuon', 'gather_muon',
+           'full_tensor', 'full_model_state', 'full_optim_state', 'sharded_optim_state', 'held_bytes',
+           'reset_peak_memory', 'peak_memory', 'PhasePeaks', 'memory_per_rank', 'run_dir', 'check_writable',
+           'lock_run_dir', 'release_run_dir', 'claim_run_dir', 'check_room', 'elastic_restarts', 'complete_steps',
+           'ranks_hint', 'load_resume_point', 'resume_point', 'check_same_run', 'param_fingerprint',
+           'check_ranks_agree']
 
 # %% ../nbs/14_scale.ipynb #df6b2a32
 def autodetect_device_type() -> str:
@@ -349,6 +351,58 @@ def check_writable(directory: Path):
         raise ValueError(f"the run writes its checkpoints under {directory}, which is not writable ({e}); "
                          "pass a writable --output-dir") from e
 
+# %% ../nbs/14_scale.ipynb #1d45c5a7
+_LOCKS = {}     # run directory -> its open lock file, held by this process
+
+def lock_run_dir(directory: Path) -> Path:
+    "Hold the run directory's lock (again, in the process that holds it); a ValueError if another process holds it."
+    directory = Path(directory).expanduser().absolute()
+    if directory in _LOCKS:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    f = open(directory / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"{directory} is in use by another run ({holder}); wait for it to end, or give this run "
+                         "another --output-dir or --model-tag") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _LOCKS[directory] = f
+    return directory
+
+def release_run_dir(directory: Path):
+    "Let go of the run directory's lock, if this process holds it."
+    f = _LOCKS.pop(Path(directory).expanduser().absolute(), None)
+    if f is not None:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+def claim_run_dir(directory: Path, nbytes: int, device, world_size: int, rank: int):
+    "Rank 0 locks the run directory and checks room for a checkpoint of `nbytes`; every rank raises if that failed."
+    error = None
+    if rank == 0:
+        try:
+            lock_run_dir(directory)
+            check_room(directory, nbytes)
+        except ValueError as e:
+            release_run_dir(directory)
+            error = e
+    if reduce_sums({"refused": error is not None}, device, world_size)["refused"]:
+        raise error or ValueError(f"rank 0 could not claim the run directory {directory} (see its message)")
+
+def check_room(directory: Path, nbytes: int):
+    "Raise a ValueError unless the disk under `directory` has `nbytes` free (the size of one checkpoint)."
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise ValueError(f"a checkpoint of this run takes about {nbytes / 2**30:.2f} GiB, but the disk under "
+                         f"{directory} "
+                         f"has {free / 2**30:.2f} GiB free; free some space or pass another --output-dir")
+
 # %% ../nbs/14_scale.ipynb #e97b27ee
 def elastic_restarts() -> int:
     "How often torchrun has restarted this worker group (0 outside torchrun and on the first attempt)."
@@ -412,6 +466,22 @@ def resume_point(out: Path, resume: bool, device, world_size: int, rank: int):
         raise ValueError(f"--resume: expected a complete checkpoint (model and meta or step folder, optimizer and "
                          f"resume files of {world_size} rank(s)) in {out}, found none" + ranks_hint(out, world_size))
     return load_resume_point(out, steps, device, world_size, rank)
+
+# %% ../nbs/14_scale.ipynb #aea65b3c
+STEERING = ("model_tag", "model_step", "source", "model_path", "task", "seed", "num_epochs", "num_steps",
+            "examples_per_step", "num_samples", "device_batch_size", "max_new_tokens", "temperature", "top_k",
+            "embedding_lr", "unembedding_lr", "matrix_lr", "lr", "weight_decay", "init_lr_frac", "advantage",
+            "loss_norm", "skip_zero_signal", "logp", "train_stop", "kl_coef", "entropy_coef", "lr_schedule",
+            "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap")
+
+def check_same_run(saved: dict, now: dict, allow: bool = False) -> dict:
+    "The steering settings that differ, {name: (saved, now)}; a ValueError naming them unless `allow`."
+    changed = {k: (saved[k], now.get(k)) for k in STEERING if k in saved and saved[k] != now.get(k)}
+    if changed and not allow:
+        listed = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items())
+        raise ValueError(f"--resume continues a run with other settings: {listed}. Give the run's own values, or "
+                         "pass --allow-changes to continue with the new ones")
+    return changed
 
 # %% ../nbs/14_scale.ipynb #6897482e
 def param_fingerprint(model) -> str:

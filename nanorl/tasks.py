@@ -22,7 +22,7 @@ _all_ = ["ANSWER_MARKER_RE", "COUNTDOWN_CHARS", "NANOCHAT_ANSWER_RE", "TASK_PROT
 
 # %% auto #0
 __all__ = ['CALC_RE', 'GSM8K_DIR_ENV', 'COUNTDOWN_SYSTEM', 'COUNTDOWN_HUB', 'answer_to_parts', 'gsm8k_conversation', 'check_row',
-           'find_local_gsm8k', 'load_gsm8k_rows', 'GSM8K', 'Difficulty', 'Arithmetic', 'CountdownShaping',
+           'find_local_gsm8k', 'read_jsonl', 'load_gsm8k_rows', 'GSM8K', 'Difficulty', 'Arithmetic', 'CountdownShaping',
            'countdown_prompt', 'countdown_split', 'random_countdown', 'check_countdown_row', 'read_countdown_rows',
            'load_countdown_hub', 'Countdown', 'ANSWER_MARKER_RE', 'COUNTDOWN_CHARS', 'NANOCHAT_ANSWER_RE',
            'TASK_PROTOCOL', 'RewardShaping', 'Solved', 'Task', 'TaskView', 'as_task', 'canonical_number',
@@ -94,11 +94,29 @@ def find_local_gsm8k(data_dir, subset: str = "main", split: str = "train"):
     return None
 
 # %% ../nbs/08_tasks.ipynb #16846004
+def read_jsonl(path) -> list[dict]:
+    "The JSON objects of a .jsonl file, one per line; a ValueError naming the file and line of a bad one."
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); expected one JSON object per line") from e
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); expected one JSON object per line") from e
+        if not isinstance(rows[-1], dict):
+            raise ValueError(f"{path}, line {n}: a JSON {type(rows[-1]).__name__}, expected an object with "
+                             "'question' and 'answer'")
+    return rows
+
 def _read_rows(kind: str, paths: list) -> list[dict]:
     "Rows {question, answer} from local jsonl, parquet or a `save_to_disk` folder."
     if kind == "jsonl":
-        return [json.loads(line) for p in paths for line in Path(p).read_text(encoding="utf-8").splitlines()
-                if line.strip()]
+        return [row for p in paths for row in read_jsonl(p)]
     if kind == "parquet":
         import pyarrow.parquet as pq
         return [r for p in paths for r in pq.read_table(p, columns=["question", "answer"]).to_pylist()]

@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_train.ipynb #5ba25a36
 from __future__ import annotations
-import argparse, copy, dataclasses, importlib, json, math, os, sys, time
+import argparse, copy, dataclasses, importlib, json, math, os, sys, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -15,9 +15,11 @@ from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .rollout import (Rollout, Sampling, Scores, collate, collate_logprobs, halve_after_oom, microbatches,
-                            rollout, sample_seeds, score, step_examples, trained_rows, TRUNCATION)
-from .checkpoint import get_base_dir, load_hf_model, load_model, save_checkpoint, save_hf_step
+from .rollout import (Rollout, Sampling, Scores, check_prompt_room, collate, collate_logprobs, halve_after_oom,
+                            microbatches, rollout, sample_seeds, score, step_examples, trained_rows, TRUNCATION)
+from .checkpoint import (CheckpointError, get_base_dir, load_hf_model, load_model, save_checkpoint,
+                               save_hf_step)
+from .engine import context_limit
 from .llama import Llama
 from .model import Sampler
 from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
@@ -25,18 +27,18 @@ from .advantages import ADVANTAGE_METHODS
 from .loss import IS_MODES, NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, token_sum
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, keep_freed_memory, packed_weights, shared_token_logp, use_fast_paths
-from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, check_writable,
-                          compute_dtype, densify_grads, elastic_restarts, full_model_state, full_optim_state,
-                          full_tensor, gather_muon, is_sharded, process_group, reduce_max, reduce_sums,
-                          resume_point, run_dir, shard_model, sharded_optim_state, sync_gradients,
-                          use_sparse_embedding_grads)
+from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, check_same_run,
+                          check_writable, claim_run_dir, compute_dtype, densify_grads, elastic_restarts,
+                          full_model_state, full_optim_state, full_tensor, gather_muon, is_sharded, process_group,
+                          reduce_max, reduce_sums, release_run_dir, resume_point, run_dir, shard_model,
+                          sharded_optim_state, sync_gradients, use_sparse_embedding_grads)
 from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sampling_weights, sync_engine
 
 # %% auto #0
 __all__ = ['PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'Trainer', 'step_normalizer',
            'backward_passes', 'sync_and_step', 'lr_multiplier', 'RunLog', 'NonFiniteError', 'check_tasks', 'train',
-           'Config', 'resolve_preset', 'validate', 'make_tasks', 'PolicyStart', 'load_policy', 'build_optimizer',
-           'build_parser', 'config_from_args', 'main']
+           'Config', 'resolve_preset', 'check_rates', 'validate', 'make_tasks', 'PolicyStart', 'load_policy',
+           'continue_run', 'build_optimizer', 'build_parser', 'config_from_args', 'main']
 
 # %% ../nbs/16_train.ipynb #44b7a529
 class Trainer:
@@ -63,7 +65,13 @@ class Trainer:
             for m in filter(None, (self.model, self.ref_model)):
                 use_fast_paths(m)
         self.engine = rollout_engine(cfg, self.model, self.tokenizer, device, world)   # `15_vllm_engine`
+        limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
+        evaluation = cfg.sampling(evaluation=True)
+        for task, flag, tokens in ((self.train_task, "--max-new-tokens", cfg.max_new_tokens),
+                                   (self.val_task, "--eval-max-new-tokens", evaluation.max_new_tokens)):
+            check_prompt_room(self.tokenizer, task, tokens, limit, flag)     # before any step, not at step 25
         self.pad_id, self.resume = self.tokenizer.encode_special("<|assistant_end|>"), policy.resume or {}
+        self.saved = self.resume["step"] - 1 if "step" in self.resume else None    # the last checkpoint's step
         self.rollout_rows = cfg.rollout_rows        # rows per engine call: halved after an out-of-memory error
 
     def step(self, step: int) -> dict:
@@ -177,6 +185,11 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
         optimizer.step()
+        local = [p.detach().to_local() if is_sharded(model) else p.detach() for p in params]   # sharded: its slices
+        broken = sum(int((~torch.isfinite(t)).any()) for t in local)
+        if reduce_sums({"broken": broken}, params[0].device, world_size)["broken"]:
+            raise NonFiniteError(f"an update with finite gradients made {broken} weight tensor(s) non-finite (lr "
+                                 f"{[g['lr'] for g in optimizer.param_groups]}); nothing of it was saved")
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
@@ -239,14 +252,27 @@ def save(self: Trainer, step: int, resume_state: dict):
     state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.master
     optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
     model_state = full_model_state(self.model, master)
-    if self.cfg.model_path:
-        model = model_state if is_sharded(self.model) else self.model
-        save_hf_step(self.out, step, model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
-    else:
-        meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
-        save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
+    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`14_scale`)
+    try:
+        if self.cfg.model_path:
+            model = model_state if is_sharded(self.model) else self.model
+            save_hf_step(self.out, step, model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
+        else:
+            meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
+            save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
+    except OSError as e:
+        raise CheckpointError(f"writing the checkpoint of step {step} into {self.out} failed ({e}); "
+                              f"{self.saved_hint()}") from e
+    self.saved = step
     if dist.is_initialized():
         dist.barrier()
+
+@patch
+def saved_hint(self: Trainer) -> str:
+    "Where a stopped run can continue from: its last checkpoint, or a fresh start."
+    if self.saved is None:
+        return "no checkpoint of this run was written, so it starts afresh"
+    return f"--resume continues from its last checkpoint, step {self.saved} (its update is step {self.saved + 1})"
 
 def _line(r: dict, num_steps: int) -> str:
     "nanochat-style progress line of one step."
@@ -276,8 +302,14 @@ class RunLog:
 
     def records(self) -> list[dict]:
         "Every record logged so far."
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        return [json.loads(line) for line in lines if line.strip()]
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        records = []
+        for n, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line)) if line.strip() else None
+            except json.JSONDecodeError:
+                warnings.warn(f"{self.path}, line {n} is not JSON (a write cut short?); it is left out")
+        return records
 
     def log(self, record: dict):
         "Append one record (it must have a 'step'), on disk at once."
@@ -313,7 +345,10 @@ def run(self: Trainer) -> list[dict]:
         evaluated = step % cfg.eval_every == 0 and (step == 0 or not last)
         record = self.evaluate() if evaluated else {}
         self.model.train()
-        record = self.step(step) | record
+        try:
+            record = self.step(step) | record
+        except NonFiniteError as e:
+            raise NonFiniteError(f"step {step}: {e}. Lower the learning rates; {self.saved_hint()}") from None
         bad = math.isnan(record["grad_norm"])                       # the update was skipped
         bad_steps, skipped = (bad_steps + 1 if bad else 0), skipped + bad
         record["skipped"] = skipped
@@ -322,8 +357,8 @@ def run(self: Trainer) -> list[dict]:
         log.log(record)
         if bad_steps >= cfg.max_bad_steps:
             raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last at step {step}), "
-                                 "their updates were skipped; stopping. Lower the learning rates or check the rewards; "
-                                 "--resume continues from the last checkpoint")
+                                 "their updates were skipped; stopping. Lower the learning rates or check the rewards "
+                                 f"(new rates with --resume need --allow-changes); {self.saved_hint()}")
         if self.master:
             bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:+.4f}")
             if step % 10 == 0 or last:
@@ -362,6 +397,7 @@ def train(cfg: Config, tasks=None) -> list[dict]:
             return trainer.run()
         finally:
             getattr(trainer.engine, "close", lambda: None)()      # vLLM: shut down, its copy of the folder deleted
+            release_run_dir(trainer.out)
 
 # %% ../nbs/16_train.ipynb #6aa316cb
 def _flag(default, help):
@@ -370,7 +406,7 @@ def _flag(default, help):
 
 @dataclass
 class Config:
-    "Everything one RL run needs. Defaults are nanochat's chat_rl recipe."
+    "Everything one RL run needs: nanochat's chat_rl flags (its names and defaults), then nanorl's own."
     # --- nanochat's chat_rl flags (same names, same defaults)
     run: str = _flag("dummy", "wandb run name; 'dummy' disables wandb")
     device_type: str = _flag("", "cuda, cpu or mps; empty autodetects")
@@ -403,6 +439,7 @@ class Config:
     num_steps: int | None = _flag(None, "optimizer steps (default: epochs x problems / examples_per_step)")
     seed: int = _flag(0, "run seed: every sample's seed derives from (seed, step, problem, sample)")
     resume: bool = _flag(False, "continue from the last checkpoint in the output directory")
+    allow_changes: bool = _flag(False, "with --resume: continue with changed settings (listed) instead of refusing")
     advantage: str = _flag("mean", "group baseline: mean (nanochat), zscore (GRPO) or rloo (leave-one-out)")
     loss_norm: str = _flag("nanochat", "loss normalization: nanochat, token (DAPO), sequence (GRPO), drgrpo")
     skip_zero_signal: bool = _flag(False, "skip groups whose rewards are all equal: the same update, less compute")
@@ -464,6 +501,17 @@ _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new
             "warmup_steps": 0}   # None: the default
 _WHY = {"num_samples": ": the advantage compares samples within a group", "top_k": " (0: the whole vocabulary)"}
 
+def check_rates(cfg: Config):
+    "Learning rates and weight decay >= 0; a ValueError naming every negative one, a warning for a frozen group."
+    rates = ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay")
+    negative = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in rates if getattr(cfg, n) < 0]
+    if negative:
+        raise ValueError(f"learning rates and weight decay must be >= 0 (a negative rate climbs the loss), got "
+                         + ", ".join(negative))
+    frozen = [f"--{n.replace('_', '-')}" for n in rates[:3] if getattr(cfg, n) == 0 and not cfg.model_path]
+    if frozen:
+        warnings.warn(f"{', '.join(frozen)} 0: those weights stay frozen")
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     "Raise a ValueError for settings that cannot work; return the config."
     flag = lambda name: "--" + name.replace("_", "-")
@@ -474,9 +522,18 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         value = getattr(cfg, name)
         if value is not None and not value >= low:                                 # nan fails too
             raise ValueError(f"{flag(name)} must be >= {low}{_WHY.get(name, '')}, got {value}")
-    for name in ("lr", "dist_timeout_min", "is_cap"):
+    for f in fields(cfg):
+        if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
+            raise ValueError(f"{flag(f.name)} must be a finite number, got {getattr(cfg, f.name)}")
+    for name in ("lr", "dist_timeout_min", "is_cap", "init_lr_frac"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{flag(name)} must be > 0, got {getattr(cfg, name)}")
+    check_rates(cfg)
+    if cfg.device_batch_size < cfg.num_samples and cfg.num_samples % cfg.device_batch_size:
+        fit = max(d for d in range(1, cfg.device_batch_size + 1) if cfg.num_samples % d == 0)
+        raise ValueError(f"--device-batch-size {cfg.device_batch_size} must divide --num-samples {cfg.num_samples} "
+                         "(or be at least it): a pass holds rows of one group, and passes of unequal size would weigh "
+                         f"their rows unequally; try --device-batch-size {fit}")
     if cfg.task not in ("gsm8k", "countdown", "arithmetic") and cfg.task.count(":") != 1:
         raise ValueError(f"--task must be gsm8k, countdown, arithmetic or module:factory, got {cfg.task!r}")
     if cfg.temperature == 0:
@@ -497,9 +554,14 @@ def make_tasks(cfg: Config):
     "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
     try:
         return check_tasks(_build_tasks(cfg), cfg)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the GSM8K files under --data-dir {cfg.data_dir} must hold one JSON object per line; "
-                         f"found a line that is not JSON ({e})") from e
+    except (ImportError, AttributeError, TypeError) as e:
+        if ":" not in cfg.task:
+            raise
+        if f"--task {cfg.task}" in str(e):                                     # named already
+            raise ValueError(str(e)) from e
+        raise ValueError(f"--task {cfg.task}: {type(e).__name__}: {e} (expected module:name, where name is a task "
+                         "class taking split=, or a factory of the config returning (training task, held-out task))"
+                         ) from e
 
 def _build_tasks(cfg: Config):
     "The task pair named by --task."
@@ -507,7 +569,10 @@ def _build_tasks(cfg: Config):
         module, name = cfg.task.split(":")
         maker = getattr(importlib.import_module(module), name)
         if not isinstance(maker, type):
-            train_task, held_out = maker(cfg)                                   # a factory of the config
+            made = maker(cfg)                                                   # a factory of the config
+            if not (isinstance(made, (tuple, list)) and len(made) == 2):
+                raise TypeError(f"the factory returned {type(made).__name__}, not (training task, held-out task)")
+            train_task, held_out = made
             name = f"--task {cfg.task}"
             return as_task(train_task, f"{name} (training)"), as_task(held_out, f"{name} (held-out)")
         extra = {"data_dir": cfg.data_dir} if cfg.data_dir else {}
@@ -541,13 +606,30 @@ def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
     else:
         model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
                                             phase="train", base_dir=cfg.base_dir)
-    start = PolicyStart(model, tokenizer, run_dir(cfg, model.config),
-                        reference=copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None)
-    found = resume_point(start.out, cfg.resume, device, world_size, rank)   # after the reference; None: a fresh run
-    if found:
-        state, start.optim_state, start.resume = found
-        model.load_state_dict(state)
+    out = run_dir(cfg, model.config)
+    claim_run_dir(out, 3 * 4 * sum(p.numel() for p in model.parameters()), device, world_size, rank)
+    try:
+        start = PolicyStart(model, tokenizer, out, reference=copy.deepcopy(model).eval().requires_grad_(False)
+                            if cfg.kl_coef > 0 else None)
+        found = resume_point(out, cfg.resume, device, world_size, rank)   # after the reference; None: a fresh run
+        if found:
+            continue_run(start, found, cfg, rank)
+    except BaseException:
+        release_run_dir(out)
+        raise
     return start
+
+def continue_run(start: PolicyStart, found, cfg: Config, rank: int):
+    "Load the resumed states into `start`, if the settings continue the run that wrote them."
+    state, start.optim_state, start.resume = found
+    changed = check_same_run(start.resume.get("config", {}), dataclasses.asdict(cfg), cfg.allow_changes)
+    if changed and rank == 0:
+        tqdm.write("nanorl: --allow-changes: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    try:
+        start.model.load_state_dict(state)
+    except RuntimeError as e:
+        raise CheckpointError(f"the checkpoint in {start.out} does not fit the model this run starts from (was the "
+                              f"starting checkpoint replaced since the run began?): {str(e)[:300]}") from e
 
 def build_optimizer(model, cfg: Config, optim_state: dict | None = None):
     "nanochat's groups at init_lr_frac of their base rates (a HF model: AdamW at --lr), or the resumed state."
@@ -561,7 +643,10 @@ def build_optimizer(model, cfg: Config, optim_state: dict | None = None):
     if is_sharded(model):
         optimizer = gather_muon(optimizer)
     if optim_state is not None:        # a whole state dict (any run's): cut to this rank's slices when sharded
+        rates = [g["initial_lr"] for g in optimizer.param_groups]   # the config's (changed only by --allow-changes)
         optimizer.load_state_dict(sharded_optim_state(optimizer, optim_state) if is_sharded(model) else optim_state)
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["initial_lr"] = rate
     return optimizer
 
 # %% ../nbs/16_train.ipynb #82613f62
@@ -602,7 +687,7 @@ def main(argv=None):
     "Entry point of `python -m nanorl.train` and `torchrun -m nanorl.train`."
     try:
         train(config_from_args(argv))
-    except (ValueError, FileNotFoundError, NonFiniteError) as e:
+    except (ValueError, OSError, NonFiniteError) as e:
         sys.exit(f"nanorl.train: error: {e}")
 
 if __name__ == "__main__" and "ipykernel" not in sys.modules:

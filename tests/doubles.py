@@ -44,7 +44,7 @@ def step_files(step, ranks):
     "The files of one complete nanochat-layout checkpoint written by `ranks` ranks."
     tag = f"{step:06d}"
     return {f"model_{tag}.pt", f"meta_{tag}.json", f"optim_{tag}_rank0.pt"} | {
-        f"resume_{tag}_rank{r}.pt" for r in range(ranks)
+        name for r in range(ranks) for name in (f"resume_{tag}_rank{r}.pt", f"manifest_{tag}_rank{r}.json")
     }
 
 

@@ -39,7 +39,8 @@ def test_save_load_roundtrip_orig_mod_prefix_and_layout(tmp_path):
         tmp_path / "chatrl_checkpoints" / "d3", 3, state, None, {"model_config": model.config}, resume_state={"step": 3}
     )
     files = sorted(p.name for p in (tmp_path / "chatrl_checkpoints" / "d3").iterdir())
-    assert files == ["meta_000003.json", "model_000003.pt", "resume_000003_rank0.pt"]  # no temp files left
+    # no temp files left; the manifest (sha256 of each file) last
+    assert files == ["manifest_000003_rank0.json", "meta_000003.json", "model_000003.pt", "resume_000003_rank0.pt"]
     saved = torch.load(tmp_path / "chatrl_checkpoints" / "d3" / "model_000003.pt", weights_only=True)
     fixture = torch.load(FIX / "head" / "chatsft_checkpoints" / "d3" / "model_000000.pt", weights_only=True)
     assert set(saved) == set(fixture)

@@ -106,7 +106,7 @@ def test_cli_task_class():
     train_task, held_out = make_tasks(Config(task="doubles:SplitToyTask"))
     assert (len(train_task), len(held_out)) == (8, 4)
     assert held_out.evaluate(held_out[0], " ok ") and not held_out.evaluate(held_out[0], "no")  # evaluate from reward
-    with pytest.raises(TypeError, match="doubles:NoRewardTask.*lacks reward"):
+    with pytest.raises(ValueError, match="doubles:NoRewardTask.*lacks reward"):
         make_tasks(Config(task="doubles:NoRewardTask"))
     with pytest.raises(ValueError, match="unknown --task 'gsm9k'"):
         make_tasks(Config(task="gsm9k"))

@@ -13,8 +13,8 @@ STEMS = {nb.stem for nb in NUMBERED}
 SIDE_ROOMS = {"03_llama", "04_checkpoint", "05_calculator", "08_tasks", "13_speedups", "14_scale", "15_vllm_engine",
               "18_real"}
 SHOWS = re.compile(r"\bprint\(|\bdisplay\(|\bplt\.|\.plot\(")
-MAX_CELL_WORDS, MAX_NOTEBOOK_WORDS, MAX_TOTAL_WORDS = 300, 3000, 25500   # the stop term and the study: +440
-MAX_MODULE_LINES, MAX_LINE, MAX_PARAMS = 620, 120, 8   # train.py at 610: its split is the main-line issue
+MAX_CELL_WORDS, MAX_NOTEBOOK_WORDS, MAX_TOTAL_WORDS = 300, 3000, 25700   # the run guards (locks, manifests): +170
+MAX_LINE, MAX_PARAMS = 120, 8   # module length: split by concern (README, "Writing code here"), no line cap
 
 
 def cells(nb_path, kind):
@@ -122,11 +122,10 @@ def test_prose_budgets():
 
 
 def test_modules_lines_and_parameters():
-    "No module over 600 lines, no line over 120 characters, no function over 8 parameters."
+    "No line over 120 characters, no function over 8 parameters."
     bad = []
     for p in library_files():
         lines = p.read_text().splitlines()
-        bad += [f"{p.name}: {len(lines)} lines"] if len(lines) > MAX_MODULE_LINES else []
         bad += [f"{p.name}:{i + 1}: {len(ln)} characters" for i, ln in enumerate(lines)
                 if len(ln) > MAX_LINE and not ln.startswith("__all__ = [")]   # nbdev_export wraps `__all__` itself
         for node in ast.walk(ast.parse("\n".join(lines))):

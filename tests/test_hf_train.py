@@ -200,7 +200,9 @@ def test_cli_trains_and_writes_an_hf_checkpoint(hf_folders, tmp_path, kind):
         "step_000001",
         "optim_000001_rank0.pt",
         "resume_000001_rank0.pt",
+        "manifest_000001_rank0.json",
         "metrics.jsonl",
+        ".lock",
     }
     step = run / "step_000001"
     with torch.no_grad():
