@@ -34,6 +34,7 @@ ARMS = {
     "zero_warmup": dict(truncated="zero", warmup_steps=5),
     "zero_low_lr_warmup": dict(truncated="zero", lr=1e-5, warmup_steps=5),
     "mask_low_lr_warmup": dict(truncated="mask", lr=1e-5, warmup_steps=5),
+    "zero_bf16": dict(truncated="zero", dtype="bfloat16"),   # the recipe under --dtype bfloat16 (native bf16 CPUs)
 }
 
 
@@ -77,7 +78,7 @@ def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, o
     minutes = (time.perf_counter() - t0) / 60
     evals = [r for r in records if "pass@1" in r]
     return {"arm": arm, "seed": seed, "steps": steps, "eval_examples": eval_examples, "threads": threads,
-            "minutes": minutes, "config": {k: getattr(cfg, k) for k in BEFORE} | {"hold_stop_row": held},
+            "minutes": minutes, "config": {k: getattr(cfg, k) for k in (*BEFORE, "dtype")} | {"hold_stop_row": held},
             "before": evals[0]["pass@1"], "before_se": evals[0]["pass@1_se"], "after": evals[-1]["pass@1"],
             "after_se": evals[-1]["pass@1_se"], "eval_stop_before": evals[0].get("eval_stop_rate"),
             "eval_stop_after": evals[-1].get("eval_stop_rate"), "cpu": cpu_label(),

@@ -12,7 +12,9 @@ both see the same machine load. A step is steady from the second one on: nanocha
                             [--before CHECKOUT | --old-flags | --dtype bfloat16]
 
 `--dtype bfloat16` compares nanorl in float32 (the peer) with nanorl under `--dtype bfloat16`, side by side: the
-figure to read on a CPU with native bf16 (avx512_bf16 or AMX in lscpu).
+figure to read on a CPU with native bf16 (avx512_bf16 or AMX in lscpu). With `--model-path DIR` (a Hugging Face
+folder, e.g. the SmolLM2 one `bench/smollm2.py` builds) that comparison runs bench/trl_grpo.py's SmolLM2 step instead:
+2 GSM8K problems x 8 samples of at most 128 tokens, top-k 50, AdamW at 1e-6, token-level loss.
 """
 
 import argparse, json, os, statistics, subprocess, sys, tempfile, time
@@ -49,6 +51,11 @@ FLAGS = [
 ]
 
 
+HF_FLAGS = ["--device-type", "cpu", "--run", "dummy", "--examples-per-step", "2", "--num-samples", "8",
+            "--device-batch-size", "8", "--max-new-tokens", "128", "--top-k", "50", "--lr", "1e-6", "--loss-norm",
+            "token", "--eval-every", "1000", "--eval-examples", "2", "--save-every", "1000"]
+
+
 def nanochat_run(args, base) -> dict:
     "One run of nanochat's chat_rl for --steps optimizer steps: seconds of each steady step, split as it reports."
     env = peer_env(args, NANOCHAT_BASE_DIR=str(base))
@@ -70,13 +77,13 @@ def nanochat_run(args, base) -> dict:
 def nanorl_run(args, base, tree=None, extra=()) -> dict:
     "One run of `python -m nanorl.train` (`tree`'s nanorl if given, `extra` flags): seconds per steady step and parts."
     with tempfile.TemporaryDirectory() as out:
+        model = ["--model-path", str(args.model_path)] if args.model_path else ["--base-dir", str(base)]
         cmd = [
             sys.executable,
             "-m",
             "nanorl.train",
-            *FLAGS,
-            "--base-dir",
-            str(base),
+            *(HF_FLAGS if args.model_path else FLAGS),
+            *model,
             "--data-dir",
             str(GSM8K_DIR),
             "--num-steps",
@@ -91,7 +98,7 @@ def nanorl_run(args, base, tree=None, extra=()) -> dict:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
         if res.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-        records = [json.loads(line) for line in (Path(out) / "chatrl_checkpoints" / "d4" / "metrics.jsonl").open()]
+        records = [json.loads(line) for line in next(Path(out).rglob("metrics.jsonl")).open()]
     steady = [r for r in records[1:] if "t_eval" not in r]
     return {
         "step": [r["t_rollout"] + r["t_reward"] + r["t_train"] for r in steady],
@@ -109,7 +116,10 @@ def main():
     ap.add_argument("--old-flags", action="store_true",
                     help="instead of nanochat, compare with nanorl's update before it was on-policy: " + " ".join(OLD))
     ap.add_argument("--dtype", default=None, help="instead of nanochat, compare nanorl float32 with nanorl in this dtype")
+    ap.add_argument("--model-path", type=Path, default=None, help="with --dtype: the step of this Hugging Face folder")
     args = ap.parse_args()
+    if args.model_path and not args.dtype:
+        raise SystemExit("--model-path compares dtypes: pass --dtype bfloat16 too")
     base = base_dir(args)
     now = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"# {now} | {cpu_label()} | isa {args.isa} | {args.threads} threads", flush=True)

@@ -164,6 +164,7 @@ def rope_tables(config, seq_len, device=None):
 class Attention(nn.Module):
     "Grouped-query attention with rotary positions, optional biases and optional per-head q/k RMSNorm (Qwen3)."
     _sdpa = gpt.CausalSelfAttention._sdpa    # GPT's: SDPA on (B, T, H, D) tensors, GQA when heads differ
+    sdpa = None                              # as GPT's: `13_speedups` may switch in its CPU attention
     attend = gpt.CausalSelfAttention.attend  # GPT's, without a window: causal, or through the KV cache
 
     def __init__(self, config, layer_idx):

@@ -142,6 +142,7 @@ class Linear(nn.Linear):
 # %% ../nbs/02_model.ipynb #1c9920d6
 class CausalSelfAttention(nn.Module):
     "Multi-head attention with GQA, rotary, QK-norm, optional value embedding and sliding window."
+    sdpa = None  # None: F.scaled_dot_product_attention; `13_speedups` may switch in its CPU attention
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx, self.n_head, self.n_kv_head = layer_idx, config.n_head, config.n_kv_head
@@ -185,8 +186,9 @@ class CausalSelfAttention(nn.Module):
 
     def _sdpa(self, q, k, v, mask, is_causal):
         "SDPA on (B, T, H, D) tensors, returns (B, T, H, D)."
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           is_causal=is_causal, enable_gqa=self.n_head != self.n_kv_head)
+        y = (self.sdpa or F.scaled_dot_product_attention)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          attn_mask=mask, is_causal=is_causal,
+                                                          enable_gqa=self.n_head != self.n_kv_head)
         return y.transpose(1, 2)
 
 # %% ../nbs/02_model.ipynb #8950ce6a

@@ -5,7 +5,6 @@
 # %% ../nbs/13_speedups.ipynb #094da2ea
 from __future__ import annotations
 import ctypes
-import functools
 import platform
 import sys
 import time
@@ -18,14 +17,16 @@ from .model import GPT, Linear, check_loss_request
 from .llama import Llama
 
 # %% auto #0
-__all__ = ['ONEDNN_LINEAR', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS', 'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD',
-           'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'best_seconds', 'onednn_pays', 'packed_weights',
-           'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed', 'packed_for_call', 'FastPaths',
-           'fast_paths_for', 'use_fast_paths', 'keep_freed_memory', 'GraphKVCache', 'shared_prefix_len',
-           'shared_prefix_cache', 'shared_token_logp']
+__all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS',
+           'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'best_seconds',
+           'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
+           'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths', 'keep_freed_memory',
+           'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache', 'shared_token_logp']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
+BF16 = torch.bfloat16
+LATER = object()  # a PackedLinear not yet reordered
 
 def _onednn_usable(weight):
     "Whether oneDNN can take this weight: float32 on the CPU, oneDNN built in and on, no autocast."
@@ -34,26 +35,57 @@ def _onednn_usable(weight):
 
 class PackedLinear:
     "x @ W.T + b with W (out, in) reordered once for oneDNN (float32 on a CPU, no gradient); F.linear otherwise."
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.packed = weight.detach(), None                       # valid until the weight changes
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True):
+        self.weight, self.low = weight.detach(), None                          # valid until the weight changes
         self.bias = None if bias is None else bias.detach()
-        if _onednn_usable(self.weight):
+        self._packed = LATER if onednn and _onednn_usable(self.weight) else None   # reordered at its first use
+
+    @property
+    def packed(self):
+        "The float32 weight reordered for oneDNN (at the first call that uses it), or None where oneDNN can't."
+        if self._packed is LATER:
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
             except RuntimeError:                                                # this build or CPU can't: F.linear
-                self.packed = None
+                self._packed = None
+        return self._packed
+
+    @packed.setter
+    def packed(self, value):
+        self._packed = value
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         "(..., in) -> (..., out)."
-        plain = (self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
-                 or (torch.is_grad_enabled() and x.requires_grad))
-        if plain:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16:
+            return self.bf16(x)
+        if self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return F.linear(x, self.weight, self.bias)
         try:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         except RuntimeError:                                                    # refused when called: F.linear from now
             self.packed = None
             return F.linear(x, self.weight, self.bias)
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        "The product under CPU bf16 autocast: W cast (and packed) once, where autocast would cast it at every call."
+        if self.low is None:
+            w, b = self.weight.to(BF16), None if self.bias is None else self.bias.to(BF16)
+            self.low = [w, b, None]
+            if ONEDNN_LINEAR and torch.backends.mkldnn.enabled:
+                try:
+                    self.low[2] = torch.ops.mkldnn._reorder_linear_weight(w)
+                except RuntimeError:
+                    pass
+        w, b, packed = self.low
+        x = x.to(BF16)
+        if packed is not None:
+            try:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            except RuntimeError:                                                # refused: F.linear from now
+                self.low[2] = None
+        return F.linear(x, w, b)
 
 # %% ../nbs/13_speedups.ipynb #186ecc0c
 def best_seconds(fn, repeats=5, calls=3):
@@ -67,21 +99,11 @@ def best_seconds(fn, repeats=5, calls=3):
         best = min(best, (time.perf_counter() - start) / calls)
     return best
 
-@functools.cache
-def _onednn_measured(out_features, in_features, threads, rows=16):
-    "Whether a packed oneDNN product beats `F.linear` for this weight shape at `rows` rows."
-    w, x = torch.randn(out_features, in_features) * 0.02, torch.randn(rows, in_features)
-    packed = PackedLinear(w)
-    if packed.packed is None:
-        return False
-    with torch.no_grad():
-        return best_seconds(lambda: packed(x)) < best_seconds(lambda: F.linear(x, w))
+PACK_MIN_WEIGHTS = 1 << 17  # smaller matrices stay with F.linear (timed at 16 rows on Zen 2, 3 and 5: see below)
 
 def onednn_pays(out_features, in_features) -> bool:
-    "Whether packing a float32 CPU weight of this shape for oneDNN speeds decoding up here (measured once per shape)."
-    if not (ONEDNN_LINEAR and torch.backends.mkldnn.enabled):
-        return False
-    return _onednn_measured(out_features, in_features, torch.get_num_threads())
+    "Whether a float32 CPU weight of this shape is packed for oneDNN: a fixed rule by size, so that runs round alike."
+    return bool(ONEDNN_LINEAR and torch.backends.mkldnn.enabled and out_features * in_features >= PACK_MIN_WEIGHTS)
 
 # %% ../nbs/13_speedups.ipynb #304ed784
 @contextmanager
@@ -90,9 +112,8 @@ def packed_weights(model: GPT | Llama):
     opened = [m for m in model.modules() if isinstance(m, Linear) and m.pack is None]  # an outer block's copies stay
     for m in opened:
         weight = m.weight[: model.config.vocab_size] if m is model.lm_head else m.weight
-        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if on_cpu and (m is model.lm_head or onednn_pays(*weight.shape)):        # else F.linear, as outside a block
-            m.pack = PackedLinear(weight, m.bias)                               # the head: decode steps always pay
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:     # the head: decode steps always pay
+            m.pack = PackedLinear(weight, m.bias, onednn=m is model.lm_head or onednn_pays(*weight.shape))
     try:
         yield model
     finally:
@@ -240,7 +261,8 @@ def llama_unembed(model, h):
     "Llama's logits through the head's packed copy; without one, a few CPU rows as (W @ h.T).T, not F.linear."
     few_rows = h.ndim == 2 and h.size(0) <= HEAD_AS_WHT_ROWS and h.device.type == "cpu"
     pack = model.lm_head.pack                                                   # None, or refused by oneDNN: no copy
-    if (pack is None or pack.packed is None) and few_rows:
+    bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16     # the pack's bf16 copy
+    if (pack is None or pack.packed is None) and few_rows and not (bf16 and pack is not None):
         return (model.lm_head.weight @ h.T).T.float()         # (b, V), a transposed view: same values, less time
     return model.lm_head(h).float()
 
@@ -263,6 +285,13 @@ class FastPaths:
 
 CPU_FAST_PATHS = FastPaths(loss=fused_forward, unembed=llama_unembed, decoding=packed_for_call)
 
+def cpu_sdpa(q, k, v, **kwargs):
+    "SDPA, in float32 under CPU bf16 autocast: there the CPU's bf16 attention kernel is the slower one at decode."
+    if not (q.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with torch.autocast("cpu", enabled=False):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
+
 def fast_paths_for(device) -> bool:
     "Whether the CPU fast paths suit `device` (a torch.device or a string): on a CPU only."
     return torch.device(device).type == "cpu"
@@ -274,6 +303,9 @@ def use_fast_paths(model, on: bool = True):
         raise ValueError(f"the fast paths are CPU tricks and this model is on {device}: it keeps its plain paths "
                          "(switch on only where fast_paths_for(device) is True)")
     model.fast_paths = CPU_FAST_PATHS if on else None
+    for m in model.modules():
+        if hasattr(type(m), "sdpa"):                                            # the attention of both families
+            m.sdpa = cpu_sdpa if on else None
     return model
 
 # %% ../nbs/13_speedups.ipynb #f75fa2b3

@@ -381,9 +381,9 @@ def test_packed_head_is_used_for_long_calls_and_matches_unembed(tok, monkeypatch
     with torch.no_grad():
         assert torch.allclose(packed, model.unembed(h, softcap=False), atol=1e-4)
     packs, real = [], speedups.PackedLinear
-    def count(weight, bias=None):
+    def count(weight, bias=None, onednn=True):
         packs.append(tuple(weight.shape))
-        return real(weight, bias)
+        return real(weight, bias, onednn)
 
     monkeypatch.setattr(speedups, "PackedLinear", count)
     eng, prompt = Engine(model, tok), tok.encode("Total:", prepend="<|bos|>")
