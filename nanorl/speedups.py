@@ -13,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from .model import GPT, Linear, check_loss_request
 from .llama import Llama
 
@@ -20,8 +21,8 @@ from .llama import Llama
 __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS',
            'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'best_seconds',
            'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
-           'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths', 'keep_freed_memory',
-           'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache', 'shared_token_logp']
+           'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths',
+           'keep_freed_memory', 'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache', 'shared_token_logp']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
@@ -269,6 +270,12 @@ def llama_unembed(model, h):
 # %% ../nbs/13_speedups.ipynb #ff62ce8b
 PACK_MIN_TOKENS = 8  # shorter generate calls: packing the weights costs more than it saves
 
+def fixed_weights(model):
+    "A block in which the weights do not change (a step before its update): switched on, packed once for all of it."
+    if model.fast_paths is None or isinstance(model, FSDPModule):    # sharded: packed inside `14_scale`'s `gathered`
+        return nullcontext()
+    return packed_weights(model)
+
 def packed_for_call(model, max_tokens):
     "A `packed_weights` block for a model's generate call of PACK_MIN_TOKENS tokens or more, else nothing."
     if isinstance(model, (GPT, Llama)) and max_tokens >= PACK_MIN_TOKENS:
@@ -320,7 +327,6 @@ def keep_freed_memory(largest: int = 1 << 30, headroom: int = 1 << 28) -> bool:
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
 
 # %% ../nbs/13_speedups.ipynb #5c0a1302
-from torch.distributed.fsdp import FSDPModule
 from .loss import token_logp
 
 class GraphKVCache:

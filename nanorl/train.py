@@ -5,7 +5,6 @@
 # %% ../nbs/16_train.ipynb #5ba25a36
 from __future__ import annotations
 import argparse, copy, dataclasses, importlib, json, math, os, sys, time, warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
 from .advantages import ADVANTAGE_METHODS
 from .loss import IS_MODES, NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, token_sum
 from .evaluate import evaluate_pass_at_k
-from .speedups import fast_paths_for, keep_freed_memory, packed_weights, shared_token_logp, use_fast_paths
+from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, shared_token_logp, use_fast_paths
 from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, check_same_run,
                           check_writable, claim_run_dir, compute_dtype, densify_grads, elastic_restarts,
                           full_model_state, full_optim_state, full_tensor, gather_muon, is_sharded, process_group,
@@ -35,10 +34,10 @@ from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_a
 from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sampling_weights, sync_engine
 
 # %% auto #0
-__all__ = ['PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'Trainer', 'step_normalizer',
-           'backward_passes', 'sync_and_step', 'lr_multiplier', 'RunLog', 'NonFiniteError', 'check_tasks', 'train',
-           'Config', 'resolve_preset', 'check_rates', 'validate', 'make_tasks', 'PolicyStart', 'load_policy',
-           'continue_run', 'build_optimizer', 'build_parser', 'config_from_args', 'main']
+__all__ = ['PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'NANOCHAT_FLAGS', 'ADVANCED', 'Trainer',
+           'step_normalizer', 'backward_passes', 'sync_and_step', 'lr_multiplier', 'RunLog', 'NonFiniteError',
+           'check_tasks', 'train', 'Config', 'resolve_preset', 'check_rates', 'validate', 'make_tasks', 'PolicyStart',
+           'load_policy', 'continue_run', 'build_optimizer', 'build_parser', 'config_from_args', 'main']
 
 # %% ../nbs/16_train.ipynb #44b7a529
 class Trainer:
@@ -80,8 +79,7 @@ class Trainer:
         lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule, cfg.warmup_steps)
         indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
         peaks = PhasePeaks(self.device)                 # each phase's peak memory, logged on GPUs
-        packed = nullcontext() if is_sharded(self.model) else packed_weights(self.model)   # FSDP: in `gathered`
-        with packed:                       # the weights are fixed until the update: each matrix packed once
+        with fixed_weights(self.model):    # the weights stay as they are until the update (`13_speedups`)
             batch = self.sample(step, indices)
             t1 = time.perf_counter()
             peaks.mark("mem_rollout_gib")
@@ -442,7 +440,8 @@ class Config:
     allow_changes: bool = _flag(False, "with --resume: continue with changed settings (listed) instead of refusing")
     advantage: str = _flag("mean", "group baseline: mean (nanochat), zscore (GRPO) or rloo (leave-one-out)")
     loss_norm: str = _flag("nanochat", "loss normalization: nanochat, token (DAPO), sequence (GRPO), drgrpo")
-    skip_zero_signal: bool = _flag(False, "skip groups whose rewards are all equal: the same update, less compute")
+    skip_zero_signal: bool = _flag(False, "skip groups whose rewards are all equal: the same update without KL or "
+                                          "entropy terms, less compute")
     logp: str = _flag("sampler", "trained: sampler (the sampled distribution, on-policy) or model (raw, nanochat)")
     train_stop: bool = _flag(True, "train each completion's sampled stop token (--no-train-stop: never, nanochat)")
     kl_coef: float = _flag(0.0, "KL penalty to the starting model (0: off, as nanochat)")
@@ -529,6 +528,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{flag(name)} must be > 0, got {getattr(cfg, name)}")
     check_rates(cfg)
+    if cfg.skip_zero_signal and (cfg.kl_coef or cfg.entropy_coef):
+        warnings.warn("--skip-zero-signal also drops the KL and entropy terms of the groups it skips: the update "
+                      "differs")
     if cfg.device_batch_size < cfg.num_samples and cfg.num_samples % cfg.device_batch_size:
         fit = max(d for d in range(1, cfg.device_batch_size + 1) if cfg.num_samples % d == 0)
         raise ValueError(f"--device-batch-size {cfg.device_batch_size} must divide --num-samples {cfg.num_samples} "
@@ -661,16 +663,41 @@ def _field_type(f):
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     return next((parse for name, parse in (("bool", _parse_bool), ("int", int), ("float", float)) if name in t), str)
 
-def build_parser() -> argparse.ArgumentParser:
-    "The argparse parser of every Config field, each with its help and default."
+NANOCHAT_FLAGS = ("run", "device_type", "model_tag", "model_step", "num_epochs", "device_batch_size",
+                  "examples_per_step", "num_samples", "max_new_tokens", "temperature", "top_k", "embedding_lr",
+                  "unembedding_lr", "matrix_lr", "weight_decay", "init_lr_frac", "eval_every", "eval_examples",
+                  "save_every")
+ADVANCED = ("preset", "source", "skip_zero_signal", "kl_coef", "entropy_coef", "lr_schedule", "warmup_steps",
+            "eval_samples", "eval_max_new_tokens", "rollout_rows", "max_bad_steps", "wandb_project", "is_correction",
+            "is_cap", "dist_timeout_min")   # accepted always, listed by --help-all
+
+def _help(f) -> str:
+    "A field's help with its default, unless the help says it already."
+    text = f.metadata["help"]
+    return text if "(default" in text else f"{text} (default: {f.default})"
+
+class _HelpAll(argparse.Action):
+    "--help-all: the help with the advanced flags too."
+    def __call__(self, parser, namespace, values, option_string=None):
+        build_parser(every=True).print_help()
+        parser.exit()
+
+def build_parser(every: bool = False) -> argparse.ArgumentParser:
+    "The parser of every Config field in three groups: nanochat's flags, nanorl's, the advanced (listed if `every`)."
     p = argparse.ArgumentParser(prog="python -m nanorl.train",
-                                description="On-policy RL (GRPO simplified to REINFORCE) for nanochat models.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                description="On-policy RL (GRPO simplified to REINFORCE) for nanochat models.")
+    p.add_argument("--help-all", nargs=0, action=_HelpAll, default=argparse.SUPPRESS,
+                   help="show the advanced flags too, and exit")
+    groups = {"nanochat": p.add_argument_group("nanochat's chat_rl flags (its names and defaults)"),
+              "nanorl": p.add_argument_group("nanorl's"),
+              "advanced": p.add_argument_group("advanced (--help-all)" if every else None)}
     for f in fields(Config):
         flag, boolean = "--" + f.name.replace("_", "-"), _field_type(f) is _parse_bool
-        p.add_argument(flag, dest=f.name, type=_field_type(f),
-                       default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {f.default})",
-                       nargs="?" if boolean else None, const=True if boolean else None)
+        kind = "nanochat" if f.name in NANOCHAT_FLAGS else "advanced" if f.name in ADVANCED else "nanorl"
+        shown = every or kind != "advanced"
+        groups[kind].add_argument(flag, dest=f.name, type=_field_type(f), default=argparse.SUPPRESS,
+                                  help=_help(f) if shown else argparse.SUPPRESS,
+                                  nargs="?" if boolean else None, const=True if boolean else None)
         if boolean:                                              # --no-train-stop, as well as --train-stop false
             p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
