@@ -268,10 +268,11 @@ def main():
 
                 many_times, pat_times = [], []
                 for _ in range(args.rl_repeats):  # interleaved, so both sides see the same machine load
+                    made = []  # the call's Completions, for its counters
                     many_times.append(
-                        best_of(lambda: eng.generate_many(prompts, 16, N, seed=list(range(16)), **kw_rl), 1)[0]
+                        best_of(lambda: made.append(eng.generate_many(prompts, 16, N, seed=list(range(16)), **kw_rl)), 1)[0]
                     )
-                    stats = dict(eng.last_stats)
+                    stats = dict(made[-1].stats)
                     pat_times.append(best_of(nanochat_pattern, 1)[0])
                 t_many, t_pat = min(many_times), min(pat_times)
                 print(

@@ -13,7 +13,7 @@ Sections, each run on its own: an exception is recorded (JSON and table) and the
   large square torch.matmul), measured once; the bounds below use them.
 - correct_gpt, correct_llama: nanochat's GPT (random, weights spread so the logits are O(1)) and a Qwen2-style model
   (a random transformers Qwen2 saved to a temporary folder and read back by `nanorl.llama.load_llama`), float32
-  weights on the device. (1) The engine's log-prob of each sampled token (`Engine.last_logprobs`, through
+  weights on the device. (1) The engine's log-prob of each sampled token (`Completions.logprobs`, through
   `nanorl.rollout.rollout`) against the trainer's (`nanorl.loss.token_logp` with the sampler's
   `Sampler(1.0, 50)`, rows from `trained_rows` / `collate` / `collate_logprobs`, as `bench/logp_band.py`), in float32
   (max |gap|) and under bf16 autocast (the band: max |gap| and the fraction of tokens whose ratio
@@ -391,9 +391,11 @@ def decode_section(ctx, family):
                                     "new_tokens": new, "dtype": str(ctx.dtype)[6:], "rows": {}, "figures": {}}
     with autocast_for(ctx.device, ctx.dtype):
         for rows in S["rows"]:
-            t, times = median_time(lambda: eng.generate_many([prompt], rows, new, seed=0, min_new_tokens=new,
-                                                             **SAMPLER), ctx.device, S["repeats"])
-            tokens = eng.last_stats["generated_tokens"]
+            made = []                                                # each call's Completions, for its counters
+            t, times = median_time(lambda: made.append(eng.generate_many([prompt], rows, new, seed=0,
+                                                                         min_new_tokens=new, **SAMPLER)),
+                                   ctx.device, S["repeats"])
+            tokens = made[-1].stats["generated_tokens"]
             bound = decode_bound(rows, len(prompt), new, W, kv, ctx.bandwidth) if ctx.bandwidth else None
             r = res["rows"][str(rows)] = {"tok_s": tokens / t, "tokens": tokens, "seconds": times,
                                           "bound_tok_s": bound, "of_bound": bound and tokens / t / bound}

@@ -73,15 +73,15 @@ def logprob_gap(engine, model, prompts):
     "vLLM's log-probs against the trainer's Sampler(1.0, 50) on 2 rows of each prompt, stop tokens included."
     from nanorl.model import Sampler
 
-    seqs, _ = engine.generate_many(prompts, 2, 128, 1.0, 50, 7)
+    gen = engine.generate_many(prompts, 2, 128, 1.0, 50, 7)
     gaps = []
-    for r, seq in enumerate(seqs):
-        n, stop = len(prompts[r // 2]), engine.last_stops[r]
+    for r, seq in enumerate(gen.sequences):
+        n, stop = len(prompts[r // 2]), gen.stops[r]
         ids = torch.tensor([seq + ([stop[0]] if stop else [])])  # (1, T)
         targets = torch.cat([torch.full((1, n - 1), -1), ids[:, n:]], 1)  # (1, T - 1)
         with torch.no_grad():
             nll = model(ids[:, :-1], targets=targets, loss_reduction="none", sampler=Sampler(1.0, 50))  # (T - 1,)
-        theirs = torch.tensor(engine.last_logprobs[r] + ([stop[1]] if stop else []))
+        theirs = torch.tensor(gen.logprobs[r] + ([stop[1]] if stop else []))
         gaps.append(theirs + nll[n - 1 :])  # vLLM's log-prob minus the trainer's, per token
     gaps = torch.cat(gaps).double()
     ratio = gaps.neg().exp()  # trainer / sampler, the importance ratio of each token

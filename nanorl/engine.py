@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_TOKENS', 'sample_next_token', 'mix32', 'row_key',
            'step_key', 'gumbel_noise', 'seeds_per_prompt', 'stop_token_ids', 'reference_generate', 'RowState',
-           'context_limit', 'Engine', 'softcap', 'check_generation', 'new_stats', 'Pick']
+           'context_limit', 'Engine', 'softcap', 'check_generation', 'new_stats', 'Completions', 'Pick']
 
 # %% ../nbs/06_engine.ipynb #301f3865
 import numbers, operator, time
@@ -193,7 +193,6 @@ class Engine:
         self.stop_tokens = stop_token_ids(tokenizer)
         self.state_tokens = self.stop_tokens | {self.python_start, self.python_end}  # tokens that change a row's state
         self._token_hash = None
-        self.last_stats, self.last_logprobs, self.last_stops = {}, [], []
 
     def token_hash(self, vocab_size, device):
         "A fixed 32-bit hash per token id (V,) int64: the per-candidate part of the sampling noise."
@@ -273,15 +272,15 @@ def run_calculator(self: Engine, state):
     return True
 
 @patch
-def advance_row(self: Engine, state, token, live=True):
+def advance_row(self: Engine, state, token, stats: dict, live=True):
     "Feed one emitted token through a row's tool state machine; only live rows count tool calls."
     if token == self.python_start:                     # a nested python_start restarts the expression
         state.in_python, state.expr = True, []
     elif token == self.python_end and state.in_python:
         ok = self.run_calculator(state)
         if live and ok is not None:
-            self.last_stats["tool_calls"] += 1
-            self.last_stats["tool_errors"] += not ok
+            stats["tool_calls"] += 1
+            stats["tool_errors"] += not ok
     elif state.in_python:
         state.expr.append(token)
 
@@ -319,14 +318,46 @@ def check_request(self: Engine, prompts, num_samples, max_tokens, temperature, s
     return check_generation(prompts, num_samples, max_tokens, temperature, seed, positions)
 
 def new_stats(n_prompts, n_rows):
-    "Counters for one generation call (Engine.last_stats)."
+    "Counters for one generation call (`Completions.stats`)."
     return dict(prompts=n_prompts, rows=n_rows, prefill_tokens=0, decode_steps=0, forward_rows=0, sampled_tokens=0,
                 forced_tokens=0, tool_calls=0, tool_errors=0, finished_rows=0, rows_retired=0, compactions=0)
+
+@dataclass(eq=False)
+class Completions:
+    "One call's rows, grouped by prompt; as a pair (unpacked, indexed, compared) it is nanochat's (sequences, masks)."
+    sequences: list                # prompt + completion ids, the sampled stop token left out
+    masks: list                    # 1 where the engine sampled the token, 0 on the prompt and tool output
+    logprobs: list | None          # per completion token, its log-prob under the sampler (0 for tool output)
+    stops: list                    # per row, (stop id, its log-prob) if it sampled one, else None (cut)
+    stats: dict                    # the call's counters (`new_stats`)
+
+    def __iter__(self):
+        return iter((self.sequences, self.masks))
+
+    def __getitem__(self, i):
+        return (self.sequences, self.masks)[i]
+
+    def __eq__(self, other):
+        return isinstance(other, (Completions, tuple, list)) and (self.sequences, self.masks) == tuple(other)
+
+    @classmethod
+    def start(cls, n_prompts: int, num_samples: int) -> "Completions":
+        "An empty record for a call about to decode."
+        n_rows = n_prompts * num_samples
+        return cls([], [], [], [None] * n_rows, new_stats(n_prompts, n_rows))
+
+    @classmethod
+    def of(cls, result) -> "Completions":
+        "An engine's result as Completions: itself, or a stand-in's plain (sequences, masks), reporting nothing."
+        if isinstance(result, cls):
+            return result
+        sequences, masks = result
+        return cls(sequences, masks, None, [None] * len(sequences), {})
 
 
 # %% ../nbs/06_engine.ipynb #7249bdbb
 @patch
-def prefill(self: Engine, prompts, num_samples, cache):
+def prefill(self: Engine, prompts, num_samples, cache, stats: dict):
     "Run each distinct prompt once at batch 1 and copy its cache into its sample rows; last hidden states (B, d)."
     device, heads, seen = self.model.get_device(), [], {}
     for p, prompt in enumerate(prompts):
@@ -335,7 +366,7 @@ def prefill(self: Engine, prompts, num_samples, cache):
             ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)           # (1, T)
             h = self.model.hidden(ids, kv_cache=one)[:, -1]                                # (1, d)
             seen[tuple(prompt)] = (one, h)
-            self.last_stats["prefill_tokens"] += len(prompt)
+            stats["prefill_tokens"] += len(prompt)
         one, h = seen[tuple(prompt)]
         cache.prefill_rows(one, list(range(p * num_samples, (p + 1) * num_samples)))
         heads.append(h.expand(num_samples, -1))
@@ -363,7 +394,7 @@ def advance_rows(self: Engine, rows, states, col, masks, busy, retire, stats):
                 continue
         elif live:
             stats["forced_tokens" if masks[i] == 0 else "sampled_tokens"] += 1
-        self.advance_row(st, token, live=not st.completed)   # finished rows (retire=False) still run the tools
+        self.advance_row(st, token, stats, live=not st.completed)   # finished rows (retire=False) still run the tools
         if st.busy:
             busy.add(r)
         else:
@@ -380,24 +411,23 @@ class Pick:
     min_new_tokens: int = 0
 
 @patch
-def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire):
+def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire, gen: Completions):
     "`decode_loop`, inside the block the model's fast paths open for a call when switched on (`13_speedups`)."
     fast = getattr(self.model, "fast_paths", None)
     with nullcontext() if fast is None else fast.decoding(self.model, max_tokens):
-        yield from self.decode_loop(prompts, num_samples, max_tokens, pick, seeds, retire)
+        yield from self.decode_loop(prompts, num_samples, max_tokens, pick, seeds, retire, gen)
 
 @patch
 @torch.no_grad()
-def decode_loop(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire):
-    "The decoding loop: yields (row ids, tokens, masks, log-probs) per step; with `retire` finished rows get id -1."
+def decode_loop(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire, gen: Completions):
+    "The decoding loop: yields (row ids, tokens, masks, log-probs) per step, filling `gen`'s stops and counters."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples
-    stats = self.last_stats = new_stats(len(prompts), n_rows)
-    stops = self.last_stops = [None] * n_rows    # per row: (stop id, its log-prob) once the row samples its stop
+    stats, stops = gen.stats, gen.stops          # stops: per row (stop id, its log-prob) once the row samples its stop
     if max_tokens == 0:
         return
     cache = _new_cache(model, n_rows, max(len(p) for p in prompts) + max_tokens)
-    h = self.prefill(prompts, num_samples, cache)                                        # (B, d)
+    h = self.prefill(prompts, num_samples, cache, stats)                                 # (B, d)
     keys = torch.tensor([row_key(s, j) for s in seeds for j in range(num_samples)], dtype=torch.long, device=device)
     states = [RowState() for _ in range(n_rows)]
     rows = list(range(n_rows))               # original row of each batch row (-1: finished and retired)
@@ -441,32 +471,32 @@ def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1
              min_new_tokens=0):
     "Stream (token_column, token_masks), num_samples tokens per step, like nanochat (finished rows keep decoding)."
     max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
-    pick = Pick(temperature, top_k, min_new_tokens)
-    for _, col, masks, _ in self.decode_steps([tokens], num_samples, max_tokens, pick, seeds, retire=False):
+    pick, gen = Pick(temperature, top_k, min_new_tokens), Completions.start(1, num_samples)
+    for _, col, masks, _ in self.decode_steps([tokens], num_samples, max_tokens, pick, seeds, False, gen):
         yield col, masks
 
 @patch
 def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                   min_new_tokens=0):
-    "num_samples completions of each prompt in one batch: flat (sequences, masks), grouped by prompt."
+    "num_samples completions of each prompt in one batch, grouped by prompt: `Completions`."
     max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
     out = [[] for _ in range(len(prompts) * num_samples)]
     out_masks, out_logps = [[] for _ in range(len(out))], [[] for _ in range(len(out))]
-    pick = Pick(temperature, top_k, min_new_tokens)
-    for rows, col, masks, lps in self.decode_steps(prompts, num_samples, max_tokens, pick, seeds, retire=True):
+    pick, gen = Pick(temperature, top_k, min_new_tokens), Completions.start(len(prompts), num_samples)
+    for rows, col, masks, lps in self.decode_steps(prompts, num_samples, max_tokens, pick, seeds, True, gen):
         for r, t, m, lp in zip(rows, col, masks, lps):
             if r >= 0:
                 out[r].append(t)
                 out_masks[r].append(m)
                 out_logps[r].append(lp if m else 0.0)        # forced tool output was not sampled: no log-prob
-    self.last_logprobs = out_logps
-    sequences = [list(prompts[r // num_samples]) + out[r] for r in range(len(out))]
-    masks = [[0] * len(prompts[r // num_samples]) + out_masks[r] for r in range(len(out))]
-    return sequences, masks
+    gen.sequences = [list(prompts[r // num_samples]) + out[r] for r in range(len(out))]
+    gen.masks = [[0] * len(prompts[r // num_samples]) + out_masks[r] for r in range(len(out))]
+    gen.logprobs = out_logps
+    return gen
 
 @patch
 def generate_batch(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                    min_new_tokens=0):
-    "nanochat's generate_batch: (sequences, masks) of num_samples completions of one prompt."
+    "nanochat's generate_batch: num_samples completions of one prompt, `Completions`."
     return self.generate_many([tokens], num_samples, max_tokens, temperature, top_k, [seed], min_new_tokens)
 

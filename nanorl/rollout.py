@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .advantages import compute_advantages, zero_signal_groups
 from .rewards import checked_reward
+from .engine import Completions
 
 
 # %% ../nbs/10_rollout.ipynb #de1e800c
@@ -108,18 +109,18 @@ def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_row
     sequences, masks, logprobs, stops, tool_calls, j = [], [], [], [], 0, 0
     while j < len(prompts):
         try:
-            seqs, msks = engine.generate_many(prompts[j:j + per_call], seed=seeds[j:j + per_call],
-                                              **sampling.engine_args())
+            gen = Completions.of(engine.generate_many(prompts[j:j + per_call], seed=seeds[j:j + per_call],
+                                                     **sampling.engine_args()))
         except torch.OutOfMemoryError as e:
             per_call = halve_after_oom(per_call, n, e)
             continue
-        sequences += seqs
-        masks += msks
-        sampled = getattr(engine, "last_logprobs", None) or [None] * len(seqs)    # None: no log-probs reported
-        logprobs += [None if lp is None else [0.0] * (len(s) - len(lp)) + lp for s, lp in zip(seqs, sampled)]
-        stops += getattr(engine, "last_stops", None) or [None] * len(seqs)
+        sequences += gen.sequences
+        masks += gen.masks
+        sampled = gen.logprobs or [None] * len(gen.sequences)                   # None: no log-probs reported
+        logprobs += [None if lp is None else [0.0] * (len(s) - len(lp)) + lp for s, lp in zip(gen.sequences, sampled)]
+        stops += gen.stops
         j += per_call
-        tool_calls += engine.last_stats.get("tool_calls", 0)
+        tool_calls += gen.stats.get("tool_calls", 0)
     logprobs = logprobs if None not in logprobs else None
     return Rollout(prompts, sequences, masks, tool_calls, per_call * n, logprobs, stops)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from fastcore.basics import patch
 from .checkpoint import check_hf_folder, save_hf_checkpoint, ties_embeddings
-from .engine import check_generation, new_stats, row_key, stop_token_ids
+from .engine import Completions, check_generation, new_stats, row_key, stop_token_ids
 from .llama import ChatTokenizer
 
 # %% auto #0
@@ -80,7 +80,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(model=str(self.folder), **{**settings, **llm_kwargs})
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self.last_stats, self.last_logprobs, self.last_stops, self.last_sync = {}, [], [], {}
+        self.last_sync = {}                                                 # the latest weight sync's seconds
 
     def close(self):
         "Shut vLLM down (a process group it joined stays up) and delete the private folder."
@@ -122,7 +122,7 @@ def split_completion(token_ids, logprobs, stopped, stops):
 @patch
 def generate_many(self: VLLMEngine, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                   min_new_tokens=0):
-    "num_samples completions of each prompt through vLLM: flat (sequences, masks), grouped by prompt, as `Engine`."
+    "num_samples completions of each prompt through vLLM, grouped by prompt: `Completions`, as `Engine`'s."
     from vllm.inputs import TokensPrompt
     max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
     rows = [(p, row_key(s, j)) for p, s in enumerate(seeds) for j in range(num_samples)]   # (prompt, row seed)
@@ -138,13 +138,11 @@ def generate_many(self: VLLMEngine, prompts, num_samples=1, max_tokens=None, tem
         computed = sum(len(r.prompt_token_ids) - (r.num_cached_tokens or 0) for r in results)
     sequences = [list(prompts[p]) + ids for (p, _), (ids, _, _) in zip(rows, outs)]
     masks = [[0] * len(prompts[p]) + [1] * len(ids) for (p, _), (ids, _, _) in zip(rows, outs)]
-    self.last_logprobs, self.last_stops = [lps for _, lps, _ in outs], [stop for _, _, stop in outs]
+    logprobs, stops = [lps for _, lps, _ in outs], [stop for _, _, stop in outs]
     sampled = sum(len(ids) for ids, _, _ in outs)
     stats.update(prefill_tokens=computed, sampled_tokens=sampled, generated_tokens=sampled,
-                 finished_rows=sum(s is not None for s in self.last_stops),
-                 generate_seconds=time.perf_counter() - start)
-    self.last_stats = stats
-    return sequences, masks
+                 finished_rows=sum(s is not None for s in stops), generate_seconds=time.perf_counter() - start)
+    return Completions(sequences, masks, logprobs, stops, stats)
 
 # %% ../nbs/15_vllm_engine.ipynb #93067dd7
 def repack_embedding_gemms(worker):

@@ -546,8 +546,6 @@ def tiny_chat_tokenizer(family, folder):
 class ReplyEngine:
     "Stand-in engine: every sample continues its prompt with the tokens of one reply (mask 0 on the prompt, 1 after)."
 
-    last_stats = {}
-
     def __init__(self, tokenizer, reply):
         self.reply = tokenizer.encode(reply)
 

@@ -192,7 +192,7 @@ def test_engine_equals_no_cache_reference(tok, tool_model, prompt, temperature, 
     ref = reference_generate(Engine(tool_model, tok), prompt, **kw)
     assert assert_sampled_agrees(eng, [prompt], got, ref, **kw).count(None) >= 4  # near ties are rare: most rows whole
     if temperature > 0:
-        assert eng.last_stats["tool_calls"] > 0 and eng.last_stats["forced_tokens"] > 0
+        assert got.stats["tool_calls"] > 0 and got.stats["forced_tokens"] > 0
 
 
 def test_sampled_agreement_catches_what_rounding_cannot_explain(tok, tool_model, prompt):
@@ -239,7 +239,7 @@ def test_retirement_and_batching_change_nothing(tok, tool_model, prompt):
     prompts = [prompt, prompt[:5], tok.encode("Total:", prepend="<|bos|>")]
     eng = Engine(tool_model, tok)
     many = eng.generate_many(prompts, num_samples=4, max_tokens=24, top_k=50, seed=[1, 2, 3])
-    stats = dict(eng.last_stats)
+    stats = dict(many.stats)
     assert stats["rows_retired"] > 0 and stats["forward_rows"] < stats["rows"] * stats["decode_steps"]
     # The noise is integer arithmetic and per row, so batching cannot change it; but the forwards of another batch
     # composition (rows retired at other steps, one prompt at a time) are matrix products of other row counts, which
@@ -319,9 +319,8 @@ def test_stream_counts_only_tool_calls_of_running_rows(tok):
     cols = [c for c, _ in stream]
     assert cols[1][0] == end and sum(c[0] == py_end for c in cols) == 2  # row 0 finished, then made two calls
     assert any(m[0] == 0 for _, m in stream)  # ... whose output is still forced
-    assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)  # only row 1's calls
-    eng.generate_batch([tok.get_bos_token_id()], num_samples=2, max_tokens=40, temperature=0.0)
-    assert (eng.last_stats["tool_calls"], eng.last_stats["tool_errors"]) == (2, 1)
+    gen = eng.generate_batch([tok.get_bos_token_id()], num_samples=2, max_tokens=40, temperature=0.0)
+    assert (gen.stats["tool_calls"], gen.stats["tool_errors"]) == (2, 1)  # only row 1's calls
 
 
 def test_full_vocab_noise_is_chunked_and_chunks_change_nothing(tok, tool_model, prompt, monkeypatch):
@@ -361,9 +360,10 @@ def test_min_new_tokens_holds_stops_back_on_full_vocab_path(tok, tool_model, pro
     free = [len(s) - len(prompt) for s in Engine(model, tok).generate_batch(prompt, **kw)[0]]
     assert min(free) == 0  # the bias really stops rows
     eng = Engine(model, tok)
-    seqs, masks = eng.generate_batch(prompt, min_new_tokens=6, **kw)
+    gen = eng.generate_batch(prompt, min_new_tokens=6, **kw)
+    seqs, masks = gen
     held = [len(s) - len(prompt) for s in seqs]
-    assert min(held) >= 6 and max(held) < 16 and eng.last_stats["finished_rows"] == 8
+    assert min(held) >= 6 and max(held) < 16 and gen.stats["finished_rows"] == 8
     cols = [c for c, _ in eng.generate(prompt, min_new_tokens=6, **kw)]
     assert not any(t in stops for c in cols[:6] for t in c) and any(t in stops for t in cols[6])
     ref = reference_generate(Engine(model, tok), prompt, min_new_tokens=6, **kw)  # no cache: rounding may differ

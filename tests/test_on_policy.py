@@ -59,9 +59,10 @@ def test_engine_logprobs_are_the_samplers(demo, temperature, top_k):
     "Every sampled token's log-prob, the stop token's included, equals a from-scratch computation of its distribution."
     model, tok, prompts, _ = demo
     eng = Engine(model, tok)
-    seqs, masks = eng.generate_many(prompts, 4, 48, temperature=temperature, top_k=top_k, seed=[1, 2])
+    gen = eng.generate_many(prompts, 4, 48, temperature=temperature, top_k=top_k, seed=[1, 2])
+    seqs, masks = gen
     checked, stopped, forced = 0, 0, 0
-    for r, (seq, m, lps, stop) in enumerate(zip(seqs, masks, eng.last_logprobs, eng.last_stops)):
+    for r, (seq, m, lps, stop) in enumerate(zip(seqs, masks, gen.logprobs, gen.stops)):
         P = len(prompts[r // 4])
         assert len(lps) == len(seq) - P
         full, got = seq + ([stop[0]] if stop else []), lps + ([stop[1]] if stop else [])
@@ -76,7 +77,7 @@ def test_engine_logprobs_are_the_samplers(demo, temperature, top_k):
                 forced += 1
         stopped += stop is not None
     assert stopped > 0 and forced > 0 and checked > 100, (stopped, forced, checked)
-    assert all(stop is None or stop[0] == tok.encode_special("<|assistant_end|>") for stop in eng.last_stops)
+    assert all(stop is None or stop[0] == tok.encode_special("<|assistant_end|>") for stop in gen.stops)
 
 
 def sampled_batch(model, tok, temperature=0.7, top_k=3):

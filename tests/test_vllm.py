@@ -69,20 +69,21 @@ def completions(seqs, prompts, num_samples):
 def test_contract_matches_nanorls_engine(engine, nano, prompts):
     "Rows, prompt prefixes, masks, log-probs, stops and stats have the shapes of nanorl's Engine.generate_many."
     kw = dict(num_samples=3, max_tokens=12, temperature=1.0, top_k=50, seed=7)
-    seqs, masks = engine.generate_many(prompts, **kw)
+    gen = engine.generate_many(prompts, **kw)
+    seqs, masks = gen
     ref_seqs, ref_masks = Engine(*nano).generate_many(prompts, **kw)
     assert len(seqs) == len(masks) == len(ref_seqs) == len(ref_masks) == 9
     for r, (seq, mask) in enumerate(zip(seqs, masks)):
-        prompt, stop, n = prompts[r // 3], engine.last_stops[r], len(seq) - len(prompts[r // 3])
+        prompt, stop, n = prompts[r // 3], gen.stops[r], len(seq) - len(prompts[r // 3])
         assert seq[: len(prompt)] == prompt == ref_seqs[r][: len(prompt)]
         assert mask == [0] * len(prompt) + [1] * n and ref_masks[r][: len(prompt)] == [0] * len(prompt)
-        assert len(engine.last_logprobs[r]) == n and all(lp <= 0 for lp in engine.last_logprobs[r])
+        assert len(gen.logprobs[r]) == n and all(lp <= 0 for lp in gen.logprobs[r])
         assert not engine.stop_tokens & set(seq[len(prompt) :])
         assert (stop is None and n == 12) or (stop[0] in engine.stop_tokens and stop[1] <= 0)
-    stats = engine.last_stats
+    stats = gen.stats
     assert stats["tool_calls"] == 0 and stats["rows"] == 9 and stats["prompts"] == 3
     assert stats["sampled_tokens"] == sum(map(sum, masks))
-    assert stats["finished_rows"] == sum(s is not None for s in engine.last_stops)
+    assert stats["finished_rows"] == sum(s is not None for s in gen.stops)
     assert engine.generate_many(prompts, num_samples=2, max_tokens=0)[0] == [p for p in prompts for _ in range(2)]
     assert len(engine.generate_many(prompts[:1], max_tokens=2, top_k=10**6)[0]) == 1  # top_k >= vocabulary: all of it
     with pytest.raises(ValueError, match="max_model_len"):
@@ -98,28 +99,29 @@ def test_greedy_equals_nanorls_engine(engine, nano, prompts):
 
 
 def test_a_stop_token_ends_the_row_and_leaves_the_sequence(engine, nano, prompts, monkeypatch):
-    "A row that samples a stop token ends there; the token is in last_stops with its log-prob, not in the sequence."
+    "A row that samples a stop token ends there; the token is in its stops with its log-prob, not in the sequence."
     (seq,), _ = Engine(*nano).generate_many(prompts[:1], max_tokens=24, **GREEDY)
     completion = seq[len(prompts[0]) :]
     stop = completion[4]
     monkeypatch.setattr(engine, "stop_tokens", {stop})
-    (got,), (mask,) = engine.generate_many(prompts[:1], max_tokens=24, **GREEDY)
+    gen = engine.generate_many(prompts[:1], max_tokens=24, **GREEDY)
+    (got,), (mask,) = gen
     cut = completion.index(stop)
     assert got == prompts[0] + completion[:cut] and sum(mask) == cut
-    assert engine.last_stops[0][0] == stop and engine.last_stats["finished_rows"] == 1
+    assert gen.stops[0][0] == stop and gen.stats["finished_rows"] == 1
     with torch.no_grad():  # the stop token's log-prob, at temperature 0 the log-softmax of the logits
         logits = nano[0](torch.tensor([got]))[0, -1]  # (V,)
-    assert abs(engine.last_stops[0][1] - F.log_softmax(logits, -1)[stop].item()) < LOGPROB_TOL
+    assert abs(gen.stops[0][1] - F.log_softmax(logits, -1)[stop].item()) < LOGPROB_TOL
 
 
 def test_logprobs_are_the_sampled_distributions(engine, nano, prompts):
     "vLLM's log-probs equal log_softmax(logits / T) over nanorl's top-k logits, stop token included, at T=0.7, k=3."
     model = nano[0]
-    seqs, _ = engine.generate_many(prompts, num_samples=2, max_tokens=16, temperature=0.7, top_k=3, seed=1)
-    for r, seq in enumerate(seqs):
-        prompt, stop = prompts[r // 2], engine.last_stops[r]
+    gen = engine.generate_many(prompts, num_samples=2, max_tokens=16, temperature=0.7, top_k=3, seed=1)
+    for r, seq in enumerate(gen.sequences):
+        prompt, stop = prompts[r // 2], gen.stops[r]
         completion = seq[len(prompt) :] + ([stop[0]] if stop else [])
-        theirs = torch.tensor(engine.last_logprobs[r] + ([stop[1]] if stop else []))
+        theirs = torch.tensor(gen.logprobs[r] + ([stop[1]] if stop else []))
         with torch.no_grad():
             logits = model(torch.tensor([prompt + completion]))[0, len(prompt) - 1 : -1]  # (n, V)
         vals, idx = logits.topk(3, dim=-1)  # (n, 3)
@@ -147,8 +149,9 @@ def test_the_rl_batch_shape_runs_and_rows_do_not_depend_on_it(engine, nano):
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert 16 * sum(map(len, prompts)) > budget  # chunked prefill would cut a seeded row: CPU Generator offset error
     kw = dict(num_samples=16, max_tokens=8, temperature=1.0, top_k=50)
-    seqs, masks = engine.generate_many(prompts, seed=list(range(16)), **kw)
-    assert len(seqs) == 256 and engine.last_stats["sampled_tokens"] == sum(map(sum, masks))
+    gen = engine.generate_many(prompts, seed=list(range(16)), **kw)
+    seqs, masks = gen
+    assert len(seqs) == 256 and gen.stats["sampled_tokens"] == sum(map(sum, masks))
     alone = engine.generate_many(prompts[5:6], seed=[5], **kw)
     assert (seqs[80:96], masks[80:96]) == alone
 
@@ -179,7 +182,7 @@ def test_sync_weights_makes_vllm_sample_the_updated_model(engine, folder, prompt
         with torch.no_grad():  # at temperature 0 vLLM reports the log-softmax of the logits
             logits = model(torch.tensor(after[0]))[0, len(prompt) - 1 : -1]  # (16, V)
         ours = F.log_softmax(logits, -1).gather(-1, torch.tensor(after[0][0][len(prompt) :])[:, None])[:, 0]
-        assert (torch.tensor(engine.last_logprobs[0]) - ours).abs().max() < LOGPROB_TOL  # head repacked, cache reset
+        assert (torch.tensor(after.logprobs[0]) - ours).abs().max() < LOGPROB_TOL  # head repacked, cache reset
         assert seconds > 0 and engine.last_sync["via"] == via
         assert engine.last_sync["write_seconds"] + engine.last_sync["reload_seconds"] == pytest.approx(seconds)
         assert (folder / "model.safetensors").read_bytes() == source_weights  # only vLLM's own copy changed
@@ -197,18 +200,19 @@ def test_sync_weights_refuses_an_unknown_way(engine, nano):
 def test_vllm_logprobs_equal_the_trainers_at_the_runs_defaults(engine, nano, prompts):
     "At temperature 1 and top-k 50 (the run's defaults), vLLM's log-probs are the trainer's Sampler's within 1e-4."
     model = nano[0]
-    seqs, masks = engine.generate_many(prompts, num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seed=3)
+    gen = engine.generate_many(prompts, num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seed=3)
+    seqs, masks = gen
     gaps = []
     for r, seq in enumerate(seqs):
-        n, stop = len(prompts[r // 4]), engine.last_stops[r]
+        n, stop = len(prompts[r // 4]), gen.stops[r]
         ids = torch.tensor([seq + ([stop[0]] if stop else [])])  # (1, T), the stop token trained as the trainer does
         targets = torch.cat([torch.full((1, n - 1), -1), ids[:, n:]], 1)  # (1, T - 1)
         with torch.no_grad():
             nll = model(ids[:, :-1], targets=targets, loss_reduction="none", sampler=Sampler(1.0, 50))  # (T - 1,)
-        theirs = torch.tensor(engine.last_logprobs[r] + ([stop[1]] if stop else []))  # (T - n,)
+        theirs = torch.tensor(gen.logprobs[r] + ([stop[1]] if stop else []))  # (T - n,)
         gaps.append((theirs + nll[n - 1 :]).abs())
     gaps = torch.cat(gaps)
-    assert len(gaps) == sum(map(sum, masks)) + engine.last_stats["finished_rows"]
+    assert len(gaps) == sum(map(sum, masks)) + gen.stats["finished_rows"]
     assert gaps.max() < LOGPROB_TOL
     assert ((gaps.exp() - 1).abs() > 0.1).sum() == 0  # no token's ratio outside [0.9, 1.1]: no correction needed
 
