@@ -21,7 +21,7 @@ CPUINFO ?= /proc/cpuinfo
 AVX512 := $(shell grep -m1 '^flags' $(CPUINFO) 2>/dev/null | grep -ow avx512f)
 AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: setup demo real test export readme lab
+.PHONY: setup demo real test test-fast export readme lab
 
 $(STAMP): setup.py settings.ini $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ ifneq ($(AVX512),)
 else
 	@echo "no AVX-512 on this CPU: the second pass of the numerics tests (on AVX2 kernels) is skipped, the machine has only one instruction set"
 endif
+
+test-fast: $(STAMP)  ## the loop while editing: pytest without the tests marked slow (tests/conftest.py), no notebooks
+	$(BIN)/nbdev_export
+	$(OFFLINE) $(BIN)/python -m pytest tests/ -q -p no:cacheprovider -m "not slow"
 
 export:  ## notebooks -> nanorl/, then clean the notebooks
 	$(BIN)/nbdev_export && $(BIN)/nbdev_clean

@@ -1,4 +1,5 @@
-"""pytest fixtures shared by the test modules (the doubles themselves live in doubles.py), and the `numerics` marker."""
+"""pytest fixtures shared by the test modules (the doubles themselves live in doubles.py), and the `numerics` and
+`slow` markers."""
 
 import pytest
 
@@ -44,14 +45,24 @@ NUMERICS = {
 }
 
 
+# The files whose tests start processes (torchrun ranks, whole runs, vLLM, the README's commands) or train for long:
+# marked `slow`, left out by `make test-fast`, the loop while editing. `make test` (CI) runs everything.
+SLOW = {"test_reliability.py", "test_fsdp.py", "test_vllm.py", "test_vllm_train.py", "test_readme.py",
+        "test_gpu_bench.py", "test_demo.py", "test_real.py", "test_hf_train.py", "test_robustness.py",
+        "test_smollm2.py", "test_trl_loss.py"}
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "numerics: compares computations that may round differently on other CPUs (tests/conftest.py)"
     )
+    config.addinivalue_line("markers", "slow: starts processes or trains for long; `make test-fast` skips it")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.path.name in SLOW:
+            item.add_marker(pytest.mark.slow)
         if item.path.name in NUMERICS:
             names = NUMERICS[item.path.name]
             if names is None or getattr(item, "originalname", item.name) in names:
