@@ -400,8 +400,7 @@ def check_room(directory: Path, nbytes: int):
     free = shutil.disk_usage(directory).free
     if free < nbytes:
         raise ValueError(f"a checkpoint of this run takes about {nbytes / 2**30:.2f} GiB, but the disk under "
-                         f"{directory} "
-                         f"has {free / 2**30:.2f} GiB free; free some space or pass another --output-dir")
+                         f"{directory} has {free / 2**30:.2f} GiB free; free some space or pass another --output-dir")
 
 # %% ../nbs/14_scale.ipynb #e97b27ee
 def elastic_restarts() -> int:

@@ -109,8 +109,7 @@ def read_jsonl(path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); expected one JSON object per line") from e
         if not isinstance(rows[-1], dict):
-            raise ValueError(f"{path}, line {n}: a JSON {type(rows[-1]).__name__}, expected an object with "
-                             "'question' and 'answer'")
+            raise ValueError(f"{path}, line {n}: a JSON {type(rows[-1]).__name__}, expected one object per line")
     return rows
 
 def _read_rows(kind: str, paths: list) -> list[dict]:
@@ -399,14 +398,7 @@ def read_countdown_rows(path) -> list[dict]:
             import pyarrow.parquet as pq
             raw = pq.read_table(f).to_pylist()
         else:
-            raw = []
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    raw.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}, line {n}: not JSON ({e.msg})") from e
+            raw = read_jsonl(f)
         rows += [check_countdown_row(r, f"{f}, row {i + 1}") for i, r in enumerate(raw)]
         if not raw:
             raise ValueError(f"{f}: the file has no rows")

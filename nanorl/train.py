@@ -184,9 +184,9 @@ def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
             group["lr"] = group["initial_lr"] * lrm
         optimizer.step()
         local = [p.detach().to_local() if is_sharded(model) else p.detach() for p in params]   # sharded: its slices
-        broken = sum(int((~torch.isfinite(t)).any()) for t in local)
-        if reduce_sums({"broken": broken}, params[0].device, world_size)["broken"]:
-            raise NonFiniteError(f"an update with finite gradients made {broken} weight tensor(s) non-finite (lr "
+        norm = torch.nn.utils.get_total_norm(local).item()                   # one host sync: inf or nan if any is
+        if reduce_max(0.0 if math.isfinite(norm) else 1.0, params[0].device, world_size):
+            raise NonFiniteError(f"an update with finite gradients made the weights non-finite (lr "
                                  f"{[g['lr'] for g in optimizer.param_groups]}); nothing of it was saved")
     optimizer.zero_grad(set_to_none=True)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
@@ -303,8 +303,10 @@ class RunLog:
         lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
         records = []
         for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
-                records.append(json.loads(line)) if line.strip() else None
+                records.append(json.loads(line))
             except json.JSONDecodeError:
                 warnings.warn(f"{self.path}, line {n} is not JSON (a write cut short?); it is left out")
         return records
