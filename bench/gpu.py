@@ -75,7 +75,7 @@ from nanorl.loss import token_logp  # noqa: E402
 from nanorl.model import GPT, GPTConfig, Sampler  # noqa: E402
 from nanorl.rollout import Sampling, collate, collate_logprobs, rollout, sample_seeds, trained_rows  # noqa: E402
 from nanorl.scale import autocast_for  # noqa: E402
-from nanorl.train import Config, backward_passes  # noqa: E402
+from nanorl.train import Config, Pass, backward_passes  # noqa: E402
 
 FIXTURE_TOKENIZER = ROOT / "tests" / "fixtures" / "nanochat" / "head" / "tokenizer"  # nanochat's, vocab 2048
 F32_GAP_LIMIT = 1e-3  # float32 |engine - trainer| log-prob: rounding is ~1e-5 and below, a real bug is ~1e-2 and up
@@ -414,7 +414,7 @@ def train_section(ctx, family):
 
     def step():
         model.zero_grad(set_to_none=True)
-        backward_passes(model, [(inputs, targets, torch.arange(B))], advantages, cfg, float(B * T),
+        backward_passes(model, [Pass(inputs, targets, torch.arange(B), 0)], advantages, cfg, float(B * T),
                         autocast_for(dev, ctx.dtype))
 
     model.train()

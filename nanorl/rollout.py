@@ -57,7 +57,7 @@ class Sampling:
 
 @dataclass
 class Rollout:
-    "The samples of one step on one rank, rows prompt-major (row r is a sample of problem r // num_samples)."
+    "The samples of one step on one rank, rows prompt-major: a group of `num_samples` rows per problem."
     prompts: list         # one token list per problem
     sequences: list       # num_problems * num_samples token lists: prompt + completion
     masks: list           # like sequences: 1 where the token was sampled, 0 for prompt and tool output
@@ -66,11 +66,23 @@ class Rollout:
     logprobs: list | None = None   # like sequences: the sampler's log-prob of each sampled token, 0 elsewhere
     stops: list | None = None      # per row: (stop id, its log-prob) if the row sampled its stop token, else None
 
+    @property
+    def num_samples(self) -> int:
+        "The group size: samples per problem."
+        return len(self.sequences) // max(len(self.prompts), 1)
+
+    def group(self, row: int) -> int:
+        "The problem that `row` is a sample of."
+        return row // self.num_samples
+
+    def lengths(self) -> list[int]:
+        "Each row's completion length in tokens (tool output included, the stop token not)."
+        return [len(s) - len(self.prompts[self.group(r)]) for r, s in enumerate(self.sequences)]
+
     def truncated(self, max_new_tokens: int | None) -> torch.Tensor:
         "(B,) bool: the rows cut by the token limit before they sampled a stop token (none without a limit)."
-        n = len(self.sequences) // max(len(self.prompts), 1)
-        cut = [max_new_tokens is not None and (not self.stops or self.stops[r] is None)
-               and len(s) - len(self.prompts[r // n]) >= max_new_tokens for r, s in enumerate(self.sequences)]
+        cut = [max_new_tokens is not None and (not self.stops or self.stops[r] is None) and n >= max_new_tokens
+               for r, n in enumerate(self.lengths())]
         return torch.tensor(cut, dtype=torch.bool)
 
 # %% ../nbs/10_rollout.ipynb #368038bd
@@ -194,7 +206,7 @@ def score(tokenizer, task, indices, batch: Rollout, num_samples: int, advantage:
     shaping = getattr(task, "shaping_on", False)
     rewards, terms = [], {}
     for row, seq in enumerate(batch.sequences):
-        g = row // num_samples
+        g = batch.group(row)
         text = completion_text(tokenizer, seq, len(batch.prompts[g]), conversations[g])
         if not shaping:
             rewards.append(checked_reward(task.reward(conversations[g], text), task))

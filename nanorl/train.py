@@ -34,10 +34,11 @@ from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_a
 from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sampling_weights, sync_engine
 
 # %% auto #0
-__all__ = ['PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'NANOCHAT_FLAGS', 'ADVANCED', 'Trainer',
-           'step_normalizer', 'backward_passes', 'sync_and_step', 'lr_multiplier', 'RunLog', 'NonFiniteError',
-           'check_tasks', 'train', 'Config', 'resolve_preset', 'check_rates', 'validate', 'make_tasks', 'PolicyStart',
-           'load_policy', 'continue_run', 'build_optimizer', 'build_parser', 'config_from_args', 'main']
+__all__ = ['PASS_SUMS', 'PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'NANOCHAT_FLAGS', 'ADVANCED',
+           'Trainer', 'Pass', 'step_normalizer', 'backward_passes', 'sync_and_step', 'lr_multiplier', 'RunLog',
+           'NonFiniteError', 'check_tasks', 'train', 'Config', 'resolve_preset', 'check_rates', 'validate',
+           'make_tasks', 'PolicyStart', 'load_policy', 'continue_run', 'build_optimizer', 'build_parser',
+           'config_from_args', 'main']
 
 # %% ../nbs/16_train.ipynb #44b7a529
 class Trainer:
@@ -107,25 +108,34 @@ def sample(self: Trainer, step: int, indices) -> Rollout:
     return batch
 
 # %% ../nbs/16_train.ipynb #3287b46b
+@dataclass
+class Pass:
+    "One forward and backward: padded rows of one group, and where they sit in the step's batch."
+    inputs: torch.Tensor                       # (b, T)
+    targets: torch.Tensor                      # (b, T): -1 where nothing is trained
+    rows: torch.Tensor                         # (b,): the rows' indices in the step's batch
+    group: int                                 # the problem the rows are samples of
+    sampler_logp: torch.Tensor | None = None   # (b, T): the engine's log-prob of each target, if it reports them
+
 @patch
 def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dict:
-    "Forward and backward every training pass of the batch; returns the summed loss and token statistics."
+    "Forward and backward every training pass of the batch; returns the step's sums, by name."
     cfg, passes = self.cfg, []
     for rows in microbatches(num_groups, cfg.num_samples, cfg.device_batch_size):
         cut = scores.truncated if cfg.truncated == "mask" else None           # --truncated mask: cut rows untrained
         seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop, cut)   # each row ended by its stop token
         inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
-        sampled = [] if None in logps else [collate_logprobs(logps, self.device)]   # (b, T): the engine's
-        passes.append((inputs, targets, torch.tensor(rows), *sampled))
-    normalizer = step_normalizer(cfg, [p[1] for p in passes], self.device, self.world)  # skipped passes count
+        sampler_logp = None if None in logps else collate_logprobs(logps, self.device)   # (b, T): the engine's
+        passes.append(Pass(inputs, targets, torch.tensor(rows), batch.group(rows[0]), sampler_logp))
+    normalizer = step_normalizer(cfg, [p.targets for p in passes], self.device, self.world)  # skipped passes count
     if cfg.skip_zero_signal:
-        passes = [p for p in passes if not scores.zero_signal[p[2][0] // cfg.num_samples]]
-    trained = [r for p in passes for r in p[2].tolist()] if cfg.train_stop and batch.stops else []
+        passes = [p for p in passes if not scores.zero_signal[p.group]]
+    trained = [r for p in passes for r in p.rows.tolist()] if cfg.train_stop and batch.stops else []
     stopped = [r for r in trained if batch.stops[r] is not None]                 # rows whose stop token is trained
     advantages = scores.advantages.to(self.device)                            # (B,)
-    stats = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
-    return stats | {"stop_trained": len(stopped), "stop_adv_sum": scores.advantages[stopped].sum().item(),
-                    "gap_measured": batch.logprobs is not None}
+    sums = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
+    return sums | {"stop_trained": len(stopped), "stop_adv": scores.advantages[stopped].sum().item(),
+                   "gap_measured": batch.logprobs is not None}
 
 # %% ../nbs/16_train.ipynb #35606c90
 def step_normalizer(cfg, targets_per_pass, device, world_size):
@@ -137,12 +147,15 @@ def step_normalizer(cfg, targets_per_pass, device, world_size):
     return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
                            num_microbatches=totals["passes"], max_len=cfg.max_new_tokens, world_size=world_size)
 
-def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
-    "Forward and backward every pass (inputs, targets, rows[, engine log-probs]); returns sums over the step's tokens."
+PASS_SUMS = ("loss", "logp", "entropy", "tokens", "gap", "gap_tokens", "outside")   # each pass's sums, by name
+
+def backward_passes(model, passes: list[Pass], advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
+    "Forward and backward every pass; returns the step's `PASS_SUMS` over its tokens, and the largest gap."
     sampler = Sampler(cfg.temperature, cfg.top_k or None) if cfg.logp == "sampler" else None   # None: the model's
     ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (`11_loss`)
     sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
-    for inputs, targets, rows, *sampled in passes:
+    for p in passes:
+        inputs, targets, sampled = p.inputs, p.targets, p.sampler_logp
         mask = targets != -1                                                   # (b, T)
         with autocast:
             logp, entropy = shared_token_logp(model, inputs, targets, with_entropy=True,   # the prompt once
@@ -152,22 +165,22 @@ def backward_passes(model, passes, advantages, cfg, normalizer, autocast, ref_mo
             with torch.no_grad(), autocast:
                 ref_logp = shared_token_logp(ref_model, inputs, targets, sampler=ref_sampler)   # (b, T)
         kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
-        weights = importance_weights(logp, sampled[0], cfg.is_correction, cfg.is_cap) if sampled else None  # (b, T)
-        loss = pg_loss(logp, advantages[rows], mask, cfg.loss_norm, normalizer, kl=kl, weights=weights)
+        weights = None if sampled is None else importance_weights(logp, sampled, cfg.is_correction, cfg.is_cap)
+        loss = pg_loss(logp, advantages[p.rows], mask, cfg.loss_norm, normalizer, kl=kl, weights=weights)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
-        log_ratio = (logp.detach().float() - sampled[0].float())[mask] if sampled else logp.new_zeros(0)   # (N,)
+        log_ratio = logp.new_zeros(0) if sampled is None else (logp.detach().float() - sampled.float())[mask]  # (N,)
         gap, outside = log_ratio.abs(), (log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))   # (N,) each
         gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
-        sums.append(torch.stack([loss.detach().float(), logp.detach()[mask].float().sum(),
-                                 entropy.detach()[mask].float().sum(), mask.sum().float(), gap.sum().float(),
-                                 torch.tensor(float(gap.numel()), device=gap.device), outside.sum().float()]))
+        named = dict(loss=loss.detach().float(), logp=logp.detach()[mask].float().sum(),
+                     entropy=entropy.detach()[mask].float().sum(), tokens=mask.sum().float(), gap=gap.sum().float(),
+                     gap_tokens=torch.tensor(float(gap.numel()), device=gap.device), outside=outside.sum().float())
+        sums.append(torch.stack([named[k] for k in PASS_SUMS]))                   # (len(PASS_SUMS),)
     host = (torch.cat([torch.stack(sums).flatten(), torch.stack(gap_max).max().float().reshape(1)]).cpu() if sums
-            else torch.zeros(8))                          # one copy to the host: every pass's sums, the largest gap
-    totals = host[:-1].view(-1, 7).double().sum(0).tolist()
-    return dict(zip(("loss", "logp_sum", "entropy_sum", "tokens", "gap_sum", "gap_tokens", "outside"), totals),
-                gap_max=host[-1].item())
+            else torch.zeros(len(PASS_SUMS) + 1))     # one copy to the host: every pass's sums, the largest gap
+    totals = host[:-1].view(-1, len(PASS_SUMS)).double().sum(0).tolist()      # (passes, sums) -> (sums,)
+    return dict(zip(PASS_SUMS, totals), gap_max=host[-1].item())
 
 # %% ../nbs/16_train.ipynb #5b266007
 def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
@@ -201,16 +214,11 @@ def lr_multiplier(step: int, num_steps: int, schedule: str = "linear", warmup: i
 @patch
 def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_norm: float, lrm: float) -> dict:
     "The step's means over all ranks: reward, length, loss, entropy, zero-signal groups, tool calls, lr."
-    n = self.cfg.num_samples
-    gen_lens = [len(s) - len(batch.prompts[r // n]) for r, s in enumerate(batch.sequences)]
     terms = {f"reward_{k}": v for k, v in scores.terms.items()}
-    sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(gen_lens),
+    learned = {k: stats[k] for k in (*PASS_SUMS, "stop_trained", "stop_adv", "gap_measured")}   # `learn`'s sums
+    sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(batch.lengths()),
                         "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
-                        "tool_calls": batch.tool_calls, "loss": stats["loss"], "logp": stats["logp_sum"],
-                        "tokens": stats["tokens"], "entropy": stats["entropy_sum"], "gap": stats["gap_sum"],
-                        "gap_tokens": stats["gap_tokens"], "stop_trained": stats["stop_trained"],
-                        "truncated": scores.truncated.sum(), "stop_adv": stats["stop_adv_sum"],
-                        "gap_measured": stats["gap_measured"], "outside": stats["outside"], **terms},
+                        "tool_calls": batch.tool_calls, "truncated": scores.truncated.sum(), **learned, **terms},
                        self.device, self.world)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
     gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),      # 0 if nothing was trained

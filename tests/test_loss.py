@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanorl.loss import NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, ratio_outside
-from nanorl.train import Config, backward_passes, step_normalizer
+from nanorl.train import Config, Pass, backward_passes, step_normalizer
 from doubles import load_fixture_model, save_tiny_hf_model
 
 
@@ -142,7 +142,7 @@ def test_entropy_bonus_gradient_is_analytic(family, coef, tmp_path):
         normalizer = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
         model.zero_grad()
         stats = backward_passes(
-            model, [(inputs, targets, torch.arange(B))], torch.zeros(B), cfg, normalizer, nullcontext()
+            model, [Pass(inputs, targets, torch.arange(B), 0)], torch.zeros(B), cfg, normalizer, nullcontext()
         )
         grad = model.lm_head.weight.grad[:V]
         mask = targets != -1

@@ -23,7 +23,7 @@ from nanorl.loss import pg_loss, token_logp, token_sum
 from nanorl.model import Sampler
 from nanorl.rollout import Rollout, Sampling, collate, collate_logprobs, rollout, sample_seeds, score, trained_rows
 from nanorl.tasks import Arithmetic
-from nanorl.train import Config, backward_passes, step_normalizer
+from nanorl.train import Config, Pass, backward_passes, step_normalizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -150,8 +150,8 @@ def test_stop_token_logprob_moves_with_its_advantage(demo):
             inputs, targets = collate(seqs, masks, pad)
             cfg = Config(temperature=1.0, top_k=0, loss_norm="token", train_stop=train_stop)
             norm = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
-            passes = [(inputs, targets, torch.arange(4), collate_logprobs(logps))] if train_stop else [
-                (inputs, targets, torch.arange(4))]
+            sampler_logp = collate_logprobs(logps) if train_stop else None
+            passes = [Pass(inputs, targets, torch.arange(4), 0, sampler_logp)]
             stats = backward_passes(m, passes, torch.full((4,), sign), cfg, norm, torch.autocast("cpu", enabled=False))
             if not train_stop:
                 assert stats["tokens"] == 0, "nanochat's rows: no stop token, nothing trained"
