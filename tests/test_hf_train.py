@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from doubles import save_tiny_hf_model, small_run, token_biased
+from harness import ENV, ROOT
 from nanorl.checkpoint import (
     SAFETENSORS_INDEX,
     CheckpointError,
@@ -20,14 +21,6 @@ from nanorl.engine import DEFAULT_MAX_NEW_TOKENS, Engine, reference_generate
 from nanorl.train import Config, build_optimizer, train
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    "OMP_NUM_THREADS": "1",
-    "WANDB_MODE": "disabled",
-    "HF_HUB_OFFLINE": "1",
-}
 SMALL = small_run(lr="1e-3")
 IDS = torch.randint(0, 500, (2, 23), generator=torch.Generator().manual_seed(3))
 

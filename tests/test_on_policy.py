@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness import ROOT, TORCHRUN, run_checked
 from doubles import FIXTURES, demo_sft, load_fixture_model, nanochat_tokenizer, save_tiny_hf_model, small_run
 from nanorl.engine import Engine
 from nanorl.speedups import packed_weights, shared_token_logp, use_fast_paths
@@ -25,15 +26,6 @@ from nanorl.rollout import Rollout, Sampling, collate, collate_logprobs, rollout
 from nanorl.tasks import Arithmetic
 from nanorl.train import Config, Pass, backward_passes, step_normalizer
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ENV = {
-    **os.environ,
-    "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    "OMP_NUM_THREADS": "1",
-    "WANDB_MODE": "disabled",
-    "HF_HUB_OFFLINE": "1",
-}
 GAP = 1e-4  # the trainer's promise in float32 (see the module docstring)
 
 
@@ -172,8 +164,7 @@ def test_stop_token_logprob_moves_with_its_advantage(demo):
 
 def run(cmd, out):
     "Run a training command; its per-step records."
-    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    run_checked(cmd)
     (metrics,) = Path(out).glob("chatrl_checkpoints/*/metrics.jsonl")
     return [json.loads(l) for l in metrics.read_text().splitlines()]
 

@@ -9,7 +9,7 @@ from doubles import base_dir, records
 from nanorl.checkpoint import load_model
 from nanorl.train import Config
 from test_layout import notebook_modules
-from test_train import ROOT, TORCHRUN
+from harness import OFFLINE, ROOT, TORCHRUN
 
 README, INDEX = ROOT / "README.md", ROOT / "nbs" / "index.ipynb"
 GSM8K_SLICE = ROOT / "tests" / "fixtures" / "gsm8k"
@@ -27,7 +27,6 @@ COVERED = {
     GPU_VENV: "test_gpu_setup",
     "make setup CONSTRAINTS=": "test_gpu_setup",
 }
-OFFLINE = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
 
 
 def shell_commands(markdown):
@@ -172,6 +171,25 @@ def test_train_help():
     assert not missing, f"--help-all does not show {missing}"
 
 
+
+def test_demo_and_real_speak_train_flags():
+    "Every flag of nanorl.demo and nanorl.real that sets a Config field is train's: its spelling, type and --no- form."
+    import argparse
+    from nanorl.demo import demo_parser
+    from nanorl.real import real_parser
+    from nanorl.train import build_parser
+
+    train = {a.dest: a for a in build_parser(every=True)._actions if a.help != argparse.SUPPRESS}
+    own = {"help", "threads", "quick", "control"}  # the demo's and the real run's settings that no trainer has
+    for parser in (demo_parser(), real_parser()):
+        shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and a.dest not in own]
+        assert shown and all(a.dest in train for a in shown), [a.dest for a in shown if a.dest not in train]
+        for a in shown:
+            assert (a.option_strings, a.type) == (train[a.dest].option_strings, train[a.dest].type), a.dest
+        ns = parser.parse_args(["--no-train-stop", "--output-dir", "x", "--num-steps", "3"])
+        assert (ns.train_stop, ns.output_dir, ns.num_steps) == (False, "x", 3)
+        assert parser.parse_args(["--out-dir", "y"]).output_dir == "y"  # the earlier spelling still works
+
 def test_make_real(tmp_path):
     "`make real` = install the converter, build the SmolLM2 folder, `python -m nanorl.real`; run here on a tiny folder."
     from doubles import save_tiny_hf_model
@@ -186,7 +204,7 @@ def test_make_real(tmp_path):
     assert recipe[-1][3:] == []  # the recorded recipe, no flags
     save_tiny_hf_model("llama", tmp_path / "tiny")
     out = tmp_path / "run"
-    args = ["--model-path", tmp_path / "tiny", "--num-steps", "1", "--eval-examples", "2", "--out-dir", out]
+    args = ["--model-path", tmp_path / "tiny", "--num-steps", "1", "--eval-examples", "2", "--output-dir", out]
     p = run_or_fail([sys.executable, "-m", "nanorl.real", *args, "--threads", "1"], timeout=600)
     assert "held-out pass@1" in p.stdout
     summary = json.loads((out / "real_summary.json").read_text())

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import ENV, ROOT, TORCHRUN, check
 from rounding import STEP_ATOL
 from doubles import base_dir, records, checkpoints_of, small_run, weights
 from nanorl.checkpoint import CheckpointError, load_model
@@ -22,29 +23,15 @@ from nanorl.train import (
     validate,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "nanochat" / "head"
 GSM8K_FIXTURE = ROOT / "tests" / "fixtures" / "gsm8k"
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SMALL = small_run(eval_every=3, save_every=2, matrix_lr=0.05, init_lr_frac=1.0)
-ENV = {
-    **os.environ,
-    "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    "OMP_NUM_THREADS": "1",
-    "WANDB_MODE": "disabled",
-    "HF_HUB_OFFLINE": "1",
-}
 
 
 def train_cmd(base, *args, launcher=None):
     "Command line of `nanorl.train` on the fixture base directory, with the small settings."
     launcher = launcher or [sys.executable, "-m", "nanorl.train"]
     return [*launcher, "--base-dir", str(base), *SMALL, *args]
-
-
-def check(p):
-    assert p.returncode == 0, f"run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    return p
 
 
 def assert_same_tensors(a, b, where=""):

@@ -51,10 +51,10 @@ def tree(d):
 
 
 def test_demo_refuses_a_folder_it_did_not_write(base):
-    "A nanochat base directory (and a user's file in it) survives `nanorl.demo --out-dir` untouched."
+    "A nanochat base directory (and a user's file in it) survives `nanorl.demo --output-dir` untouched."
     (base / "tokenizer" / "my_notes.txt").write_text("mine")
     before = tree(base)
-    msg = run_main(["--out-dir", str(base), "--rl-steps", "2"], demo_main)
+    msg = run_main(["--output-dir", str(base), "--num-steps", "2"], demo_main)
     assert "holds files the demo did not write" in msg and str(base) in msg
     assert tree(base) == before
 
@@ -313,7 +313,7 @@ def test_bad_meta_and_truncated_files_named(base, tmp_path):
 def test_real_checks_numbers_and_offers_resume(tmp_path):
     hf = tmp_path / "qwen2"
     save_tiny_hf_model("qwen2", hf)
-    msg = run_main(["--model-path", str(hf), "--num-steps", "0", "--out-dir", str(tmp_path / "r")], real_main)
+    msg = run_main(["--model-path", str(hf), "--num-steps", "0", "--output-dir", str(tmp_path / "r")], real_main)
     assert "--num-steps must be >= 1" in msg
     assert "--threads must be >= 1" in run_main(["--model-path", str(hf), "--threads", "0"], real_main)
     assert "--resume" in [a.option_strings[0] for a in real_parser()._actions]

@@ -8,26 +8,18 @@ import torch
 
 import nanorl.scale as S
 import nanorl.train as T
+from harness import ROOT, TORCHRUN, run_checked
 from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
 from nanorl.checkpoint import load_model
 from nanorl.model import fast_matmul_dtype
 from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
 from rounding import assert_same_step, assert_updates_agree, nanochat_muon_names
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SMALL = small_run(device_type=None, eval_examples=4, matrix_lr=0.05, init_lr_frac=1.0)
 
 
 def torchrun_train(nproc, base, *args):
     "Run nanorl.train under torchrun with `nproc` CPU ranks; fail the test with its output if it fails."
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "disabled",
-        "HF_HUB_OFFLINE": "1",
-    }
     cmd = [
         TORCHRUN,
         "--standalone",
@@ -41,9 +33,7 @@ def torchrun_train(nproc, base, *args):
         *SMALL,
         *args,
     ]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    return p
+    return run_checked(cmd)
 
 
 def test_two_ranks_train_and_agree(tmp_path):
@@ -89,6 +79,21 @@ def test_one_rank_equals_two_ranks(tmp_path, norm):
     assert_updates_agree(start, w1, w2, nanochat_muon_names(start), fast_matmul_dtype("cpu"))
     assert max((w1[k].float() - start[k].float()).abs().max().item() for k in w1) > 1e-4
 
+
+
+def test_ddp_with_the_fused_loss_leaves_every_rank_identical(tmp_path):
+    """Two DDP ranks on the CPU train with the fused loss; after their steps every rank's parameters are the same
+    bytes (the trainer's end-of-run check, then the fingerprints compared here), and a change on one rank is caught."""
+    base, out = base_dir(tmp_path, "fused"), tmp_path / "reports"
+    out.mkdir()
+    script = ROOT / "tests" / "ddp_ranks_script.py"
+    run_checked([TORCHRUN, "--standalone", "--nproc_per_node=2", script, "--device-type", "cpu", "--base-dir", base,
+                 *SMALL, "--num-steps", "2"], env={"NANORL_TEST_OUT": str(out)})
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["fused"] for r in reports), "the CPU ranks did not run the fused loss"
+    assert reports[0]["fingerprint"] == reports[1]["fingerprint"], "the ranks' parameters differ after DDP steps"
+    assert all(r["caught"] for r in reports), "a parameter changed on one rank was not caught"
+    assert [r["step"] for r in records(base)] == [0, 1] and all(r["grad_norm"] > 0 for r in records(base))
 
 def test_bad_settings_fail_before_work(tmp_path):
     "Impossible settings are refused with a clear message before any model is loaded or process group started."
