@@ -184,8 +184,9 @@ class Engine:
     "Batched sampling with a KV cache and nanochat's calculator tool."
     compact_fraction = 0.25  # retire finished rows from the batch once this fraction of it has finished
 
-    def __init__(self, model, tokenizer, nanochat_format=False):
+    def __init__(self, model, tokenizer, nanochat_format=False, gather=nullcontext):
         self.model, self.tokenizer, self.nanochat_format = model, tokenizer, nanochat_format
+        self.gather = gather     # a block in which a model's weights are whole (sharded ones: `14_scale`'s `gathered`)
         sp = tokenizer.encode_special
         self.bos, self.assistant_end = tokenizer.get_bos_token_id(), sp("<|assistant_end|>")
         self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
@@ -499,4 +500,14 @@ def generate_batch(self: Engine, tokens, num_samples=1, max_tokens=None, tempera
                    min_new_tokens=0):
     "nanochat's generate_batch: num_samples completions of one prompt, `Completions`."
     return self.generate_many([tokens], num_samples, max_tokens, temperature, top_k, [seed], min_new_tokens)
+
+@patch
+def sampling_context(self: Engine, model):
+    "The block a rollout of `model` (the policy this engine holds) runs in: its weights whole, via `gather`."
+    return self.gather(model)
+
+@patch
+def sync(self: Engine, model) -> dict:
+    "After an update: nothing to hand over, this engine samples the policy's own weights (no `t_sync`)."
+    return {}
 

@@ -223,16 +223,6 @@ def engine_weights(model):
     return {k: full_tensor(v) for k, v in model.state_dict().items()} if is_sharded(model) else model
 
 @patch
-def sampling_context(self: Engine, model):
-    "A block in which this engine samples `model` itself: its weights gathered whole while FSDP2 shards them."
-    return gathered(model)
-
-@patch
-def sync(self: Engine, model) -> dict:
-    "Nothing to hand over after an update: this engine samples the policy's own weights."
-    return {}
-
-@patch
 def sampling_context(self: VLLMEngine, model):
     "vLLM samples its own copy of the weights: nothing to gather."
     return nullcontext()
@@ -255,7 +245,7 @@ def check_cpu_head_size(folder):
 def rollout_engine(cfg, model, tokenizer, device, world_size: int = 1):
     "The run's engine: nanorl's `Engine` on the policy, or (--engine vllm) a VLLMEngine on --model-path synced to it."
     if cfg.engine != "vllm":
-        return Engine(model, tokenizer)
+        return Engine(model, tokenizer, gather=gathered)      # FSDP2: the shards gathered once per rollout
     if device.type == "cpu":
         check_cpu_head_size(cfg.model_path)
     bf16 = compute_dtype(cfg.dtype, device) == torch.bfloat16
