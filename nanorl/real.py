@@ -16,7 +16,6 @@ from .engine import Engine
 from .speedups import use_fast_paths
 from .rollout import completion_text, prompt_ids
 from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
-from .scale import run_dir
 from .train import Config, NonFiniteError, add_config_flag, config_help, train, validate
 from .demo import plot_run, set_threads
 
@@ -108,7 +107,7 @@ def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
              f"in {seconds / 60:.0f} min")
     summary["plot"] = str(plot_run(records, out / "real_curves.png", title, k=cfg.eval_samples, entropy=True))
     summary["answers_before"] = sample_answers(cfg.model_path, held_out, show, cfg)
-    summary["answers_after"] = sample_answers(run_dir(cfg, None), held_out, show, cfg)   # its newest step
+    summary["answers_after"] = sample_answers(cfg.run_dir(), held_out, show, cfg)   # its newest step
     (out / "real_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from .model import Muon, MultiOptimizer, fast_matmul_dtype
 from .llama import Llama
-from .checkpoint import (CheckpointError, checkpoint_steps, get_base_dir, hf_checkpoint_steps, load_checkpoint,
+from .checkpoint import (CheckpointError, checkpoint_steps, hf_checkpoint_steps, load_checkpoint,
                                load_resume_state)
 from .speedups import packed_weights
 
@@ -94,15 +94,15 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
 # %% ../nbs/14_scale.ipynb #4f5b7d9e
-def check_rank_settings(cfg, world_size: int):
+def check_rank_settings(world_size: int, examples_per_step: int, fsdp=False, skip_zero_signal=False, device_type=""):
     "Raise a ValueError for a run's rank and sharding settings that cannot work on `world_size` ranks."
-    if cfg.examples_per_step % world_size:
-        raise ValueError(f"--examples-per-step {cfg.examples_per_step} must be divisible by the number of ranks "
-                         f"({world_size}); try {max(world_size, cfg.examples_per_step // world_size * world_size)}")
-    if cfg.fsdp and cfg.skip_zero_signal:
+    if examples_per_step % world_size:
+        raise ValueError(f"--examples-per-step {examples_per_step} must be divisible by the number of ranks "
+                         f"({world_size}); try {max(world_size, examples_per_step // world_size * world_size)}")
+    if fsdp and skip_zero_signal:
         raise ValueError("--fsdp reduce-scatters gradients in every backward pass, so all ranks must run the same "
                          "passes; --skip-zero-signal skips different passes on different ranks: drop one of the two")
-    if cfg.fsdp and cfg.device_type == "mps":
+    if fsdp and device_type == "mps":
         raise ValueError("--fsdp shards over cuda or cpu ranks; on mps leave it out")
 
 # %% ../nbs/14_scale.ipynb #8aad1f94
@@ -324,16 +324,15 @@ def memory_per_rank(params: int, ranks: int, fsdp: bool, muon_params: int = 0, l
 
 
 # %% ../nbs/14_scale.ipynb #82498a56
-def run_dir(cfg: Config, model_config) -> Path:
-    "chatrl_checkpoints/<tag> under the output directory: --model-tag, else d<n_layer> or the model folder's name."
-    root = Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir)
-    if cfg.model_tag:
-        tag = cfg.model_tag
-    elif cfg.model_path:
-        tag = Path(cfg.model_path).expanduser().absolute().name
+def run_dir(root, model_tag=None, model_path=None, model_config=None) -> Path:
+    "chatrl_checkpoints/<tag> under `root`: the model tag, else the model folder's name, else d<n_layer>."
+    if model_tag:
+        tag = model_tag
+    elif model_path:
+        tag = Path(model_path).expanduser().absolute().name
     else:
         tag = f"d{model_config.n_layer}"
-    return root / "chatrl_checkpoints" / tag
+    return Path(root) / "chatrl_checkpoints" / tag
 
 def check_writable(directory: Path):
     "Raise a ValueError naming `directory` unless checkpoints can be written there (checked before any work)."

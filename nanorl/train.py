@@ -105,6 +105,14 @@ class Config:
     is_cap: float = _flag(2.0, "--is-correction's cap on a token's ratio pi_trainer / pi_sampler")
     dist_timeout_min: float = _flag(60.0, "minutes a rank waits in a collective (e.g. for a checkpoint) before failing")
 
+    def output_root(self) -> Path:
+        "Where chatrl_checkpoints/ is written: --output-dir, else the nanochat base directory."
+        return Path(self.output_dir) if self.output_dir else get_base_dir(self.base_dir)
+
+    def run_dir(self, model_config=None) -> Path:
+        "This run's directory, chatrl_checkpoints/<tag> (`14_scale`'s rule)."
+        return run_dir(self.output_root(), self.model_tag, self.model_path, model_config)
+
     def sampling(self, evaluation: bool = False) -> Sampling:
         "How rollouts (or, with evaluation=True, pass@k evaluations) sample each problem."
         if not evaluation:
@@ -187,8 +195,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if cfg.model_path is not None and cfg.model_step is not None:
         raise ValueError("--model-step picks a nanochat checkpoint; with --model-path, point it at the folder to start "
                          "from (an RL run's step_<N> folder is one)")
-    check_rank_settings(cfg, world_size)                 # ranks and sharding: `14_scale`
-    check_engine_settings(cfg)                           # vLLM takes Hugging Face folders: `15_vllm_engine`
+    check_rank_settings(world_size, cfg.examples_per_step, cfg.fsdp, cfg.skip_zero_signal, cfg.device_type)
+    check_engine_settings(cfg.engine, cfg.model_path)    # vLLM takes Hugging Face folders: `15_vllm_engine`
     return cfg
 
 # %% ../nbs/16_train.ipynb #b9a7c028
@@ -355,9 +363,12 @@ class Trainer:
         if fast_paths_for(device):                  # CPU: packed weights, the fused loss
             for m in filter(None, (self.model, self.ref_model)):
                 use_fast_paths(m)
-        self.engine = rollout_engine(cfg, self.model, self.tokenizer, device, world)   # `15_vllm_engine`
-        limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
         evaluation = cfg.sampling(evaluation=True)
+        vllm_folder = cfg.model_path if cfg.engine == "vllm" else None
+        longest = max(cfg.max_new_tokens, evaluation.max_new_tokens)           # vLLM sizes its KV cache for it
+        self.engine = rollout_engine(self.model, self.tokenizer, device, vllm_folder, cfg.rollout_rows, longest,
+                                     compute_dtype(cfg.dtype, device), cfg.seed)       # `15_vllm_engine`
+        limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
         for task, flag, tokens in ((self.train_task, "--max-new-tokens", cfg.max_new_tokens),
                                    (self.val_task, "--eval-max-new-tokens", evaluation.max_new_tokens)):
             check_prompt_room(self.tokenizer, task, tokens, limit, flag)     # before any step, not at step 25
@@ -548,7 +559,7 @@ def check_tasks(tasks, cfg: Config):
 def train(cfg: Config, tasks=None) -> list[dict]:
     "Run on-policy RL as `cfg` says (preset resolved first), on `tasks` if given; returns rank 0's records."
     cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
-    check_writable(Path(cfg.output_dir) if cfg.output_dir else get_base_dir(cfg.base_dir))
+    check_writable(cfg.output_root())
     with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world, device):
         if device.type == "cpu":
             keep_freed_memory()                                   # big per-step buffers reuse their pages
@@ -619,7 +630,7 @@ def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
     else:
         model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
                                             phase="train", base_dir=cfg.base_dir)
-    out = run_dir(cfg, model.config)
+    out = cfg.run_dir(model.config)
     claim_run_dir(out, 3 * 4 * sum(p.numel() for p in model.parameters()), device, world_size, rank)
     try:
         start = PolicyStart(model, tokenizer, out, reference=copy.deepcopy(model).eval().requires_grad_(False)

