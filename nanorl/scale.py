@@ -41,35 +41,35 @@ def autodetect_device_type() -> str:
     return "cpu"
 
 def init_distributed(device_type: str = "", timeout_min: float = 60.0, fsdp: bool = False):
-    "Join the torchrun process group if there is one (--fsdp: else a group of one); return (rank, world, device)."
+    "Join the torchrun process group if there is one (--fsdp: else a group of one); return (rank, world_size, device)."
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device-type cuda, but torch sees no CUDA device")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
     if device_type == "cuda":
         torch.cuda.set_device(device)
     backend, extra = ("nccl", {"device_id": device}) if device_type == "cuda" else ("gloo", {})
     timeout = datetime.timedelta(minutes=timeout_min)   # ranks wait this long at a barrier, e.g. for a checkpoint
-    if world > 1 and not dist.is_initialized():
+    if world_size > 1 and not dist.is_initialized():
         # torchrun's store outlives a restart of the group: a fresh key prefix per attempt keeps the new workers from
         # reading the addresses that the previous attempt's (dead) workers published there
-        store, rank, world = next(dist.rendezvous("env://"))
+        store, rank, world_size = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"nanorl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra)
     elif fsdp and not dist.is_initialized():            # FSDP2 shards over a process group, even a group of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
-    return rank, world, device
+    return rank, world_size, device
 
 # %% ../nbs/14_scale.ipynb #0b1d3f5a
 @contextmanager
 def process_group(device_type: str = "", timeout_min: float = 60.0, fsdp: bool = False):
-    "`init_distributed` for the length of a block: yields (rank, world, device), then takes the group down."
-    rank, world, device = init_distributed(device_type, timeout_min, fsdp)
+    "`init_distributed` for the length of a block: yields (rank, world_size, device), then takes the group down."
+    rank, world_size, device = init_distributed(device_type, timeout_min, fsdp)
     finished = False
     try:
-        yield rank, world, device
+        yield rank, world_size, device
         finished = True
     finally:
         if dist.is_initialized():
@@ -490,11 +490,11 @@ def param_fingerprint(model) -> str:
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
-def check_ranks_agree(model, world: int):
+def check_ranks_agree(model, world_size: int):
     "Raise if the ranks ended with different parameters (sharded: each slice exists once, nothing to compare)."
-    if world == 1 or is_sharded(model):
+    if world_size == 1 or is_sharded(model):
         return
-    prints = [None] * world
+    prints = [None] * world_size
     dist.all_gather_object(prints, param_fingerprint(model))
     if len(set(prints)) != 1:
         raise RuntimeError(f"ranks ended with different parameters: {prints}")

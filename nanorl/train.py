@@ -227,7 +227,7 @@ def backward_passes(model, passes: list[Pass], advantages, cfg, normalizer, auto
     ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (`11_loss`)
     sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
     for p in passes:
-        inputs, targets, sampled = p.inputs, p.targets, p.sampler_logp
+        inputs, targets, sampler_logp = p.inputs, p.targets, p.sampler_logp
         mask = targets != -1                                                   # (b, T)
         with autocast:
             logp, entropy = shared_token_logp(model, inputs, targets, with_entropy=True,   # the prompt once
@@ -237,12 +237,14 @@ def backward_passes(model, passes: list[Pass], advantages, cfg, normalizer, auto
             with torch.no_grad(), autocast:
                 ref_logp = shared_token_logp(ref_model, inputs, targets, sampler=ref_sampler)   # (b, T)
         kl = None if ref_logp is None else (ref_logp, cfg.kl_coef)
-        weights = None if sampled is None else importance_weights(logp, sampled, cfg.is_correction, cfg.is_cap)
+        weights = None if sampler_logp is None else importance_weights(logp, sampler_logp, cfg.is_correction,
+                                                                          cfg.is_cap)   # (b, T)
         loss = pg_loss(logp, advantages[p.rows], mask, cfg.loss_norm, normalizer, kl=kl, weights=weights)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * token_sum(entropy, mask, cfg.loss_norm, normalizer)
         loss.backward()
-        log_ratio = logp.new_zeros(0) if sampled is None else (logp.detach().float() - sampled.float())[mask]  # (N,)
+        measured = sampler_logp is not None
+        log_ratio = (logp.detach().float() - sampler_logp.float())[mask] if measured else logp.new_zeros(0)  # (N,)
         gap, outside = log_ratio.abs(), (log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))   # (N,) each
         gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
         named = dict(loss=loss.detach().float(), logp=logp.detach()[mask].float().sum(),
@@ -342,8 +344,8 @@ class RunLog:
 # %% ../nbs/16_train.ipynb #44b7a529
 class Trainer:
     "One run on one rank: config, policy, optimizer, engine and tasks; `step(i)` is one RL step."
-    def __init__(self, cfg: Config, rank: int = 0, world: int = 1, device=torch.device("cpu"), tasks=None):
-        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, device=torch.device("cpu"), tasks=None):
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.master = rank == 0
         self.autocast = autocast_for(device, compute_dtype(cfg.dtype, device))
         self.train_task, self.val_task = make_tasks(cfg) if tasks is None else check_tasks(tasks, cfg)
@@ -351,7 +353,7 @@ class Trainer:
         if self.num_steps < 1:
             raise ValueError(f"{len(self.train_task)} training problems make no step of --examples-per-step "
                              f"{cfg.examples_per_step}; lower it or pass --num-steps")
-        policy = load_policy(cfg, device, world, rank)
+        policy = load_policy(cfg, device, world_size, rank)
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.out, self.ref_model = policy.out, policy.reference
         if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices
@@ -380,7 +382,7 @@ class Trainer:
         "Sample, score and learn from one step's problems; update the weights; returns this step's metrics."
         cfg, t0 = self.cfg, time.perf_counter()
         lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule, cfg.warmup_steps)
-        indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world)
+        indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world_size)
         peaks = PhasePeaks(self.device)                 # each phase's peak memory, logged on GPUs
         with fixed_weights(self.model):    # the weights stay as they are until the update (`13_speedups`)
             batch = self.sample(step, indices)
@@ -390,7 +392,7 @@ class Trainer:
                            cfg.max_new_tokens, cfg.truncated)
             t2 = time.perf_counter()
             stats = self.learn(batch, scores, len(indices))
-        grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world)
+        grad_norm = sync_and_step(self.model, self.optimizer, lrm, self.world_size)
         peaks.mark("mem_train_gib")
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
         times |= self.engine.sync(self.model)       # vLLM samples the next step with the new weights: t_sync
@@ -420,7 +422,7 @@ def learn(self: Trainer, batch: Rollout, scores: Scores, num_groups: int) -> dic
         inputs, targets = collate(seqs, masks, self.pad_id, self.device)      # (b, T) each
         sampler_logp = None if None in logps else collate_logprobs(logps, self.device)   # (b, T): the engine's
         passes.append(Pass(inputs, targets, torch.tensor(rows), batch.group(rows[0]), sampler_logp))
-    normalizer = step_normalizer(cfg, [p.targets for p in passes], self.device, self.world)  # skipped passes count
+    normalizer = step_normalizer(cfg, [p.targets for p in passes], self.device, self.world_size)  # skipped passes count
     if cfg.skip_zero_signal:
         passes = [p for p in passes if not scores.zero_signal[p.group]]
     trained = [r for p in passes for r in p.rows.tolist()] if cfg.train_stop and batch.stops else []
@@ -439,12 +441,12 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
     sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(batch.lengths()),
                         "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
                         "tool_calls": batch.tool_calls, "truncated": scores.truncated.sum(), **learned, **terms},
-                       self.device, self.world)
+                       self.device, self.world_size)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
-    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world),      # 0 if nothing was trained
+    gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world_size),      # 0 if nothing was trained
             "logp_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1),
             "is_ratio_outside": sums["outside"] / max(sums["gap_tokens"], 1)} if sums["gap_measured"] else {}
-    return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world,
+    return {"reward": sums["reward"] / rows, "seq_len": sums["seq_len"] / rows, "loss": sums["loss"] / self.world_size,
             "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
             "zero_signal_frac": sums["zero_signal"] / sums["groups"],
             "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
@@ -465,7 +467,7 @@ def evaluate(self: Trainer) -> dict:
         try:
             with self.engine.sampling_context(self.model), self.autocast:
                 result = evaluate_pass_at_k(self.engine, self.tokenizer, self.val_task, sampling, cfg.eval_examples,
-                                            cfg.seed, per_batch, (self.rank, self.world))
+                                            cfg.seed, per_batch, (self.rank, self.world_size))
             break
         except torch.OutOfMemoryError as e:
             per_batch = halve_after_oom(per_batch, sampling.num_samples, e, "an evaluation",
@@ -511,7 +513,8 @@ def run(self: Trainer) -> list[dict]:
     log = RunLog(self.out / "metrics.jsonl", cfg, start_step=start, enabled=self.master)
     if self.master:
         resumed = f"; resuming at step {start} (elastic restart {elastic_restarts()})" if start else ""
-        tqdm.write(f"nanorl: {num_steps} steps, {self.world} rank(s) on {self.device}; writing {self.out}{resumed}")
+        ranks = f"{self.world_size} rank(s) on {self.device}"
+        tqdm.write(f"nanorl: {num_steps} steps, {ranks}; writing {self.out}{resumed}")
     bar = tqdm(range(start, num_steps), initial=start, total=num_steps, disable=not self.master, desc="rl")
     last = False
     for step in bar:
@@ -540,7 +543,7 @@ def run(self: Trainer) -> list[dict]:
         if (step > 0 and step % cfg.save_every == 0) or last:
             self.save(step, {"step": step + 1, "bad_steps": bad_steps, "skipped": skipped})
     if last:
-        check_ranks_agree(self.model, self.world)
+        check_ranks_agree(self.model, self.world_size)
     log.close()
     return log.records() if self.master else []
 
@@ -560,10 +563,10 @@ def train(cfg: Config, tasks=None) -> list[dict]:
     "Run on-policy RL as `cfg` says (preset resolved first), on `tasks` if given; returns rank 0's records."
     cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
     check_writable(cfg.output_root())
-    with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world, device):
+    with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world_size, device):
         if device.type == "cpu":
             keep_freed_memory()                                   # big per-step buffers reuse their pages
-        trainer = Trainer(cfg, rank, world, device, tasks)
+        trainer = Trainer(cfg, rank, world_size, device, tasks)
         try:
             return trainer.run()
         finally:

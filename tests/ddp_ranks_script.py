@@ -15,16 +15,16 @@ from nanorl.speedups import CPU_FAST_PATHS
 agree = T.check_ranks_agree
 
 
-def report_then_check(model, world):
+def report_then_check(model, world_size):
     "Write this rank's report, run the trainer's own check, then check that a change on one rank is caught."
     rank = int(os.environ["RANK"])
     report = {"fused": getattr(model, "fast_paths", None) is CPU_FAST_PATHS, "fingerprint": param_fingerprint(model)}
-    agree(model, world)
+    agree(model, world_size)
     if rank == 1:
         with torch.no_grad():
             next(model.parameters()).view(-1)[0] += 1e-3
     try:
-        agree(model, world)
+        agree(model, world_size)
         report["caught"] = False
     except RuntimeError:
         report["caught"] = True
