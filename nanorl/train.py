@@ -16,8 +16,9 @@ from fastcore.basics import patch
 
 from .rollout import (Rollout, Sampling, Scores, check_prompt_room, collate, collate_logprobs, halve_after_oom,
                             microbatches, rollout, sample_seeds, score, step_examples, trained_rows, TRUNCATION)
-from .checkpoint import (CheckpointError, get_base_dir, load_hf_model, load_model, save_checkpoint,
-                               save_hf_step)
+from .checkpoint import (CheckpointError, check_same_run, check_writable, claim_run_dir, elastic_restarts,
+                               get_base_dir, load_hf_model, load_model, release_run_dir, resume_point, run_dir,
+                               save_checkpoint, save_hf_step)
 from .engine import context_limit
 from .llama import Llama
 from .model import Sampler
@@ -26,11 +27,10 @@ from .advantages import ADVANTAGE_METHODS
 from .loss import IS_MODES, NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, token_sum
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, shared_token_logp, use_fast_paths
-from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, check_same_run,
-                          check_writable, claim_run_dir, compute_dtype, densify_grads, elastic_restarts,
-                          full_model_state, full_optim_state, full_tensor, gather_muon, is_sharded, process_group,
-                          reduce_max, reduce_sums, release_run_dir, resume_point, run_dir, shard_model,
-                          sharded_optim_state, sync_gradients, use_sparse_embedding_grads)
+from .scale import (PhasePeaks, autocast_for, check_rank_settings, check_ranks_agree, compute_dtype,
+                          densify_grads, full_model_state, full_optim_state, full_tensor, gather_muon, is_sharded,
+                          process_group, reduce_max, reduce_sums, shard_model, sharded_optim_state, sync_gradients,
+                          use_sparse_embedding_grads)
 from .vllm_engine import ENGINES, check_engine_settings, rollout_engine
 
 # %% auto #0
@@ -110,7 +110,7 @@ class Config:
         return Path(self.output_dir) if self.output_dir else get_base_dir(self.base_dir)
 
     def run_dir(self, model_config=None) -> Path:
-        "This run's directory, chatrl_checkpoints/<tag> (`14_scale`'s rule)."
+        "This run's directory, chatrl_checkpoints/<tag> (`04_checkpoint`'s rule)."
         return run_dir(self.output_root(), self.model_tag, self.model_path, model_config)
 
     def sampling(self, evaluation: bool = False) -> Sampling:
@@ -480,7 +480,7 @@ def save(self: Trainer, step: int, resume_state: dict):
     state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.master
     optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
     model_state = full_model_state(self.model, master)
-    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`14_scale`)
+    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`04_checkpoint`)
     try:
         if self.cfg.model_path:
             model = model_state if is_sharded(self.model) else self.model

@@ -85,7 +85,7 @@ def test_demo_threads_checked():
 
 def hold_lock(run_dir):
     "A process that holds `run_dir`'s lock until killed."
-    code = f"from nanorl.scale import lock_run_dir; lock_run_dir({str(run_dir)!r}); print('held', flush=True); " \
+    code = f"from nanorl.checkpoint import lock_run_dir; lock_run_dir({str(run_dir)!r}); print('held', flush=True); " \
            "import time; time.sleep(120)"
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"

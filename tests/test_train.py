@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import nanorl.scale as S
+import nanorl.checkpoint as C
 import nanorl.train as T
 from harness import ROOT, TORCHRUN, run_checked
 from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
@@ -304,8 +304,8 @@ def test_resume_agreement_tensor_is_on_the_run_device(tmp_path, monkeypatch):
         seen.append(t.device)
         raise Reduced
 
-    monkeypatch.setattr(S, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
-    monkeypatch.setattr(S.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(C, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
+    monkeypatch.setattr(C.dist, "all_reduce", fake_all_reduce)
     with pytest.raises(Reduced):
-        S.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
+        C.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
     assert seen == [torch.device("meta")]
