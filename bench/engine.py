@@ -24,7 +24,7 @@ from nanochat_peer import add_peer_args, base_dir, cpu_label, last_json, peer_en
 
 import nanorl.speedups as M  # the CPU fast paths, switched on per model as the trainer does
 from nanorl.engine import Engine, reference_generate, sample_next_token, row_key
-from nanorl.model import GPT, GPTConfig
+from nanorl.model import GPT, GPTConfig, Sampler
 
 SPECIALS = [
     "<|bos|>",
@@ -104,7 +104,8 @@ def decode_step_times(model, eng, rows, repeats=15):
     fns = {
         "bare forward": lambda: model(x, kv_cache=cache)[:, -1],
         "nanochat-style step": lambda: sample_next_token(model(x, kv_cache=cache)[:, -1], rng, 1.0, 50)[:, 0].tolist(),
-        "nanorl step": lambda: eng.pick_tokens(head(model.hidden(x, kv_cache=cache)[:, -1]), keys, 0, 1.0, 50).tolist(),
+        "nanorl step": lambda: eng.pick_tokens(head(model.hidden(x, kv_cache=cache)[:, -1]), keys, 0,
+                                               Sampler(1.0, 50)).tolist(),
         "hidden states only": lambda: model.hidden(x, kv_cache=cache),
     }
     times = {k: [] for k in fns}

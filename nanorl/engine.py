@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_TOKENS', 'sample_next_token', 'mix32', 'row_key',
            'step_key', 'gumbel_noise', 'seeds_per_prompt', 'stop_token_ids', 'reference_generate', 'RowState',
-           'context_limit', 'Engine', 'softcap', 'check_generation', 'new_stats', 'Completions', 'Pick']
+           'context_limit', 'Engine', 'softcap', 'check_generation', 'new_stats', 'Completions', 'sampler_of']
 
 # %% ../nbs/06_engine.ipynb #301f3865
 import numbers, operator, time
@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch, torch.nn.functional as F
 from dataclasses import dataclass
 from fastcore.basics import patch
-from .model import KVCache
+from .model import KVCache, Sampler
 from .calculator import use_calculator
 
 
@@ -212,12 +212,12 @@ NOISE_CHUNK_ELEMENTS = 1 << 21  # full-vocabulary sampling: at most this many (r
 
 @patch
 @torch.no_grad()
-def pick_tokens(self: Engine, raw, keys, step, temperature=1.0, top_k=None, suppress_stop=False):
-    "Next token ids (b,) from raw logits (b, V) and their log-probs (b,) under the distribution they were drawn from."
+def pick_tokens(self: Engine, raw, keys, step, sampler: Sampler | None = None, suppress_stop=False):
+    "Next token ids (b,) from raw logits (b, V), drawn from `sampler` (None: greedy), and their log-probs (b,)."
     V = raw.size(-1)
     if suppress_stop:
         raw = raw.index_fill(-1, self.stop_ids(raw.device), float("-inf"))             # (b, V), the input untouched
-    if temperature == 0:
+    if sampler is None:
         vals, idx = raw.topk(min(GREEDY_CANDIDATES, V), dim=-1)                         # (b, 8)
         capped = softcap(self.model, vals)
         if suppress_stop:
@@ -225,15 +225,16 @@ def pick_tokens(self: Engine, raw, keys, step, temperature=1.0, top_k=None, supp
         best = capped.max(dim=-1, keepdim=True).values                                  # (b, 1)
         ids = torch.where(capped == best, idx, V).min(dim=-1).values                  # lowest id among the maxima
         return ids, capped.new_zeros(ids.shape)                                         # a point mass: log 1 = 0
-    if top_k is not None and 0 < top_k < V:
-        vals, idx = raw.topk(top_k, dim=-1)                                 # (b, k): the only logits we softcap
-        scaled = softcap(self.model, vals) / temperature                                # (b, k)
+    top = sampler.top(raw)                         # the softcap keeps the order: the top k of the raw logits, or None
+    if top is not None:
+        vals, idx = top                                                     # (b, k): the only logits we softcap
+        scaled = softcap(self.model, vals) / sampler.temperature                        # (b, k)
         if suppress_stop:
             scaled = scaled.masked_fill(torch.isin(idx, self.stop_ids(raw.device)), float("-inf"))
         choice = (scaled + gumbel_noise(keys, step, self.token_hash(V, raw.device)[idx])).argmax(dim=-1, keepdim=True)
         logp = scaled.gather(-1, choice) - scaled.logsumexp(dim=-1, keepdim=True)     # (b, 1)
         return idx.gather(-1, choice).squeeze(-1), logp.squeeze(-1)
-    return self.sample_full_vocab(raw, keys, step, temperature, suppress_stop)
+    return self.sample_full_vocab(raw, keys, step, sampler.temperature, suppress_stop)
 
 
 # %% ../nbs/06_engine.ipynb #4cc2ea87
@@ -404,23 +405,20 @@ def advance_rows(self: Engine, rows, states, col, masks, busy, retire, stats):
 
 
 # %% ../nbs/06_engine.ipynb #cc21dab3
-@dataclass(frozen=True)
-class Pick:
-    "How each next token is picked: temperature (0: argmax), top-k (None: all), stops held back for min_new_tokens."
-    temperature: float = 1.0
-    top_k: int | None = None
-    min_new_tokens: int = 0
+def sampler_of(temperature: float, top_k: int | None = None) -> Sampler | None:
+    "The distribution of a request's `temperature` and `top_k` (<= 0 or None: all): a `Sampler`, None for greedy."
+    return Sampler(temperature, top_k if top_k and top_k > 0 else None) if temperature > 0 else None
 
 @patch
-def decode_steps(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire, gen: Completions):
+def decode_steps(self: Engine, prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, retire, gen):
     "`decode_loop`, inside the block the model's fast paths open for a call when switched on (`13_speedups`)."
     fast = getattr(self.model, "fast_paths", None)
     with nullcontext() if fast is None else fast.decoding(self.model, max_tokens):
-        yield from self.decode_loop(prompts, num_samples, max_tokens, pick, seeds, retire, gen)
+        yield from self.decode_loop(prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, retire, gen)
 
 @patch
 @torch.no_grad()
-def decode_loop(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seeds, retire, gen: Completions):
+def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, retire, gen):
     "The decoding loop: yields (row ids, tokens, masks, log-probs) per step, filling `gen`'s stops and counters."
     model, device = self.model, self.model.get_device()
     n_rows = len(prompts) * num_samples
@@ -435,8 +433,7 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, pick: Pick, seed
     busy, n_done, n_dead = set(), 0, 0       # rows inside a tool call; rows finished; finished rows still in the batch
     for step in range(max_tokens):
         raw = model.unembed(h, softcap=False)                                           # (b, V)
-        suppress = step < pick.min_new_tokens
-        ids, logps = self.pick_tokens(raw, keys, step, pick.temperature, pick.top_k, suppress_stop=suppress)  # (b,)
+        ids, logps = self.pick_tokens(raw, keys, step, sampler, suppress_stop=step < min_new_tokens)      # (b,) each
         col, lps = ids.tolist(), logps.tolist()                                         # the host syncs of a step
         masks, forced_used = [1] * len(col), False
         if busy or not self.state_tokens.isdisjoint(col):                              # some row changes state
@@ -472,8 +469,9 @@ def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1
              min_new_tokens=0):
     "Stream (token_column, token_masks), num_samples tokens per step, like nanochat (finished rows keep decoding)."
     max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
-    pick, gen = Pick(temperature, top_k, min_new_tokens), Completions.start(1, num_samples)
-    for _, col, masks, _ in self.decode_steps([tokens], num_samples, max_tokens, pick, seeds, False, gen):
+    sampler, gen = sampler_of(temperature, top_k), Completions.start(1, num_samples)
+    for _, col, masks, _ in self.decode_steps([tokens], num_samples, max_tokens, sampler, min_new_tokens, seeds, False,
+                                              gen):
         yield col, masks
 
 @patch
@@ -483,8 +481,9 @@ def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, tempera
     max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
     out = [[] for _ in range(len(prompts) * num_samples)]
     out_masks, out_logps = [[] for _ in range(len(out))], [[] for _ in range(len(out))]
-    pick, gen = Pick(temperature, top_k, min_new_tokens), Completions.start(len(prompts), num_samples)
-    for rows, col, masks, lps in self.decode_steps(prompts, num_samples, max_tokens, pick, seeds, True, gen):
+    sampler, gen = sampler_of(temperature, top_k), Completions.start(len(prompts), num_samples)
+    steps = self.decode_steps(prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, True, gen)
+    for rows, col, masks, lps in steps:
         for r, t, m, lp in zip(rows, col, masks, lps):
             if r >= 0:
                 out[r].append(t)

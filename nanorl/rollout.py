@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from .advantages import compute_advantages, zero_signal_groups
 from .rewards import checked_reward
 from .engine import Completions
+from .model import Sampler
 
 
 # %% ../nbs/10_rollout.ipynb #de1e800c
@@ -49,6 +50,11 @@ class Sampling:
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_k: int | None = 50      # None or 0: the full vocabulary
+
+    @property
+    def sampler(self) -> Sampler:
+        "The distribution every token is drawn from, the one `--logp sampler` trains (`11_loss`)."
+        return Sampler(self.temperature, self.top_k or None)
 
     def engine_args(self) -> dict:
         "Keyword arguments of `Engine.generate_many` for these settings."

@@ -223,7 +223,7 @@ PASS_SUMS = ("loss", "logp", "entropy", "tokens", "gap", "gap_tokens", "outside"
 
 def backward_passes(model, passes: list[Pass], advantages, cfg, normalizer, autocast, ref_model=None) -> dict:
     "Forward and backward every pass; returns the step's `PASS_SUMS` over its tokens, and the largest gap."
-    sampler = Sampler(cfg.temperature, cfg.top_k or None) if cfg.logp == "sampler" else None   # None: the model's
+    sampler = cfg.sampling().sampler if cfg.logp == "sampler" else None   # the rollout's; None: the model's
     ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (`11_loss`)
     sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
     for p in passes:

@@ -9,6 +9,7 @@ from rounding import LOGITS_ATOL, assert_greedy_agrees, assert_sampled_agrees
 import nanorl.speedups as speedups  # the CPU fast paths: a test switches its model on where it wants them
 
 from nanorl.engine import Engine, reference_generate, sample_next_token, use_calculator, row_key, gumbel_noise
+from nanorl.model import Sampler
 
 FIX = Path(__file__).parent / "fixtures" / "nanochat"
 # ---------------------------------------------------------------- calculator
@@ -420,6 +421,6 @@ def test_pick_tokens_leaves_its_input_alone(tok, tool_model):
     eng = Engine(tool_model, tok)
     raw = torch.randn(3, tok.get_vocab_size())
     before = raw.clone()
-    eng.pick_tokens(raw, torch.arange(3), 0, 1.0, 50, suppress_stop=True)
-    eng.pick_tokens(raw, torch.arange(3), 0, 1.0, None, suppress_stop=True)
+    eng.pick_tokens(raw, torch.arange(3), 0, Sampler(1.0, 50), suppress_stop=True)
+    eng.pick_tokens(raw, torch.arange(3), 0, Sampler(1.0), suppress_stop=True)
     assert torch.equal(raw, before)
