@@ -10,7 +10,7 @@ import nanorl.checkpoint as C
 import nanorl.train as T
 from harness import ROOT, TORCHRUN, run_checked
 from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
-from nanorl.checkpoint import load_model
+from nanorl.checkpoint import load_model, release_run_dir
 from nanorl.model import fast_matmul_dtype
 from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
 from rounding import assert_same_step, assert_updates_agree, nanochat_muon_names
@@ -261,6 +261,7 @@ def test_kl_reference_is_the_source_model_after_resume(tmp_path):
     assert all(torch.equal(ref[k].float(), source[k].float()) for k in source)
     assert all(torch.equal(v.float(), trained[k].float()) for k, v in policy.model.state_dict().items())
     assert not all(p.requires_grad for p in policy.reference.parameters())
+    release_run_dir(policy.out)  # load_policy claimed the run directory; train() would release it at the end
 
 
 # ---------------------------------------------------------------- presets and distributed details (no training)
