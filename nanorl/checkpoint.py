@@ -23,7 +23,7 @@ __all__ = ['SOURCES', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'STEERING
            'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype', 'save_hf_checkpoint',
            'read_hf_state', 'save_hf_step', 'run_dir', 'check_writable', 'lock_run_dir', 'release_run_dir',
            'claim_run_dir', 'check_room', 'elastic_restarts', 'complete_steps', 'ranks_hint', 'load_resume_point',
-           'resume_point', 'check_same_run']
+           'written_steps', 'resume_point', 'check_same_run']
 
 # %% ../nbs/04_checkpoint.ipynb #7c27b53e
 SOURCES = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -625,8 +625,8 @@ def ranks_hint(out: Path, world_size: int) -> str:
     ranks = {int(f.stem.rsplit("rank", 1)[1]) for f in out.glob("resume_*_rank*.pt")} if out.is_dir() else set()
     if not ranks or max(ranks) + 1 == world_size:
         return ""
-    return (f"; its checkpoints were written by {max(ranks) + 1} rank(s), and a run resumes on as many ranks as wrote "
-            f"it (torchrun --nproc_per_node {max(ranks) + 1})")
+    return (f"; its checkpoints were written by {max(ranks) + 1} rank(s), and a run resumes on at most as many ranks "
+            f"as wrote it (torchrun --nproc_per_node {max(ranks) + 1})")
 
 # %% ../nbs/04_checkpoint.ipynb #d8b85c3c
 def _read_resume_files(out, step, device, rank):
@@ -654,13 +654,21 @@ def load_resume_point(out, steps, device, world_size: int, rank: int):
 
 
 # %% ../nbs/04_checkpoint.ipynb #2d3f5b7c
+def written_steps(directory: Path) -> list[int]:
+    "Steps with a model file or a step folder in `directory`, complete or not, newest first."
+    if not directory.is_dir():
+        return []
+    return sorted(set(checkpoint_steps(directory)) | set(hf_checkpoint_steps(directory)), reverse=True)
+
 def resume_point(out: Path, resume: bool, device, world_size: int, rank: int):
     "(model, optimizer, resume) states to continue from on --resume or a torchrun restart; None for a fresh run."
     steps = complete_steps(out, world_size)
     if not (resume or (elastic_restarts() > 0 and steps)):
-        if steps:
-            raise ValueError(f"{out} already holds checkpoints of a run (step {steps[0]}); pass --resume to continue "
-                             "it, or --output-dir/--model-tag to start a new one elsewhere")
+        found = steps or ([] if elastic_restarts() else written_steps(out))   # complete for any number of ranks
+        if found:
+            raise ValueError(f"{out} already holds checkpoints of a run (step {found[0]}); pass --resume to continue "
+                             "it, or --output-dir/--model-tag to start a new one elsewhere"
+                             + ranks_hint(out, world_size))
         return None
     if not steps:
         raise ValueError(f"--resume: expected a complete checkpoint (model and meta or step folder, optimizer and "
