@@ -334,9 +334,8 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="short version: fewer RL steps, 200 held-out problems")
     p.add_argument("--control", action="store_true",
                    help="also run the control (every advantage 0) from the same SFT model")
-    for old, dest in (("--out-dir", "output_dir"), ("--rl-steps", "num_steps")):     # the earlier spellings
-        p.add_argument(old, dest=dest, type=int if dest == "num_steps" else str, default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", dest="output_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # earlier names
+    p.add_argument("--rl-steps", dest="num_steps", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 def main(argv=None):

@@ -94,10 +94,10 @@ def find_local_gsm8k(data_dir, subset: str = "main", split: str = "train"):
     return None
 
 # %% ../nbs/08_tasks.ipynb #16846004
-def read_jsonl(path) -> list[dict]:
-    "The JSON objects of a .jsonl file, one per line; a ValueError naming the file and line of a bad one."
+def read_jsonl(path, skip_bad: bool = False) -> list[dict]:
+    "The JSON objects of a .jsonl file, one per line; a ValueError naming file and line (skip_bad: a warning)."
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8", errors="replace" if skip_bad else "strict").splitlines()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); expected one JSON object per line") from e
     rows = []
@@ -107,6 +107,9 @@ def read_jsonl(path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
+            if skip_bad:                                             # a log whose last write was cut short
+                warnings.warn(f"{path}, line {n} is not JSON ({e.msg}); it is left out")
+                continue
             raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); expected one JSON object per line") from e
         if not isinstance(rows[-1], dict):
             raise ValueError(f"{path}, line {n}: a JSON {type(rows[-1]).__name__}, expected one object per line")

@@ -22,7 +22,7 @@ from .checkpoint import (CheckpointError, check_same_run, check_writable, claim_
 from .engine import context_limit
 from .llama import Llama
 from .model import Sampler
-from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows
+from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows, read_jsonl
 from .advantages import ADVANTAGE_METHODS
 from .loss import IS_MODES, NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, token_sum
 from .evaluate import evaluate_pass_at_k
@@ -315,16 +315,7 @@ class RunLog:
 
     def records(self) -> list[dict]:
         "Every record logged so far."
-        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
-        records = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                warnings.warn(f"{self.path}, line {n} is not JSON (a write cut short?); it is left out")
-        return records
+        return read_jsonl(self.path, skip_bad=True) if self.path.exists() else []   # a crash may cut the last line
 
     def log(self, record: dict):
         "Append one record (it must have a 'step'), on disk at once."
@@ -353,7 +344,16 @@ class Trainer:
         if self.num_steps < 1:
             raise ValueError(f"{len(self.train_task)} training problems make no step of --examples-per-step "
                              f"{cfg.examples_per_step}; lower it or pass --num-steps")
-        policy = load_policy(cfg, device, world_size, rank)
+        policy = load_policy(cfg, device, world_size, rank)   # holds the run directory's lock from here on
+        try:
+            self.setup(policy)
+        except BaseException:
+            release_run_dir(policy.out)             # a run that cannot start leaves its directory free
+            raise
+
+    def setup(self, policy: PolicyStart):
+        "The policy's model (sharded, sped up), its optimizer and engine; prompt room checked against the tasks."
+        cfg, device = self.cfg, self.device
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.out, self.ref_model = policy.out, policy.reference
         if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices

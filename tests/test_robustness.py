@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from doubles import FIXTURES, save_tiny_hf_model
-from nanorl.checkpoint import CheckpointError, load_checkpoint, load_model
+from nanorl.checkpoint import CheckpointError, load_checkpoint, load_model, release_run_dir
 from nanorl.demo import DEMO_MARK, claim_dir, record_files
 from nanorl.demo import main as demo_main
 from nanorl.real import main as real_main
@@ -74,6 +74,7 @@ def test_demo_replaces_only_its_own_files(tmp_path):
     (out / "chatsft_checkpoints" / "d3" / "yours.txt").unlink()
     claim_dir(out)
     assert sorted(p.name for p in out.rglob("*")) == sorted([DEMO_MARK, ".lock"])
+    release_run_dir(out)
 
 
 def test_demo_threads_checked():
