@@ -28,7 +28,7 @@ Sections, each run on its own: an exception is recorded (JSON and table) and the
   intermediate 4864, vocab 151936, tied embeddings), both random. Against the memory-bandwidth bound: each decode
   step reads every matrix once (Linear layers and the head, in --dtype) and each row's KV cache so far, at the
   measured copy bandwidth; embedding rows and activations are left out.
-- train_gpt, train_llama: one forward and backward of the trainer's loss (`nanorl.train.backward_passes`, default
+- train_gpt, train_llama: one forward and backward of the trainer's loss (`nanorl.step.backward_passes`, default
   Config: the sampler's log-probs and entropies) on 8 rows x 512 random tokens under --dtype autocast; tokens/s and
   model-FLOPs utilization 6 * matmul parameters * tokens / time / measured peak (attention's own FLOPs left out).
 - torchrun_ddp, torchrun_fsdp: `torchrun --standalone --nproc_per_node=1 -m nanorl.train` for 2 steps on a nanochat
@@ -75,7 +75,8 @@ from nanorl.loss import token_logp  # noqa: E402
 from nanorl.model import GPT, GPTConfig, Sampler  # noqa: E402
 from nanorl.rollout import Sampling, collate, collate_logprobs, rollout, sample_seeds, trained_rows  # noqa: E402
 from nanorl.scale import autocast_for  # noqa: E402
-from nanorl.train import Config, Pass, backward_passes  # noqa: E402
+from nanorl.config import Config  # noqa: E402
+from nanorl.step import Pass, Policy, backward_passes  # noqa: E402
 
 FIXTURE_TOKENIZER = ROOT / "tests" / "fixtures" / "nanochat" / "head" / "tokenizer"  # nanochat's, vocab 2048
 F32_GAP_LIMIT = 1e-3  # float32 |engine - trainer| log-prob: rounding is ~1e-5 and below, a real bug is ~1e-2 and up
@@ -414,8 +415,9 @@ def train_section(ctx, family):
 
     def step():
         model.zero_grad(set_to_none=True)
-        backward_passes(model, [Pass(inputs, targets, torch.arange(B), 0)], advantages, cfg, float(B * T),
-                        autocast_for(dev, ctx.dtype))
+        backward_passes(Policy(model, device=dev, autocast=autocast_for(dev, ctx.dtype)),
+                        [Pass(inputs, targets, torch.arange(B), 0)], advantages, cfg.sampling(), cfg.loss_settings(),
+                        float(B * T))
 
     model.train()
     try:

@@ -91,7 +91,8 @@ def first_step(threads: int, **changes) -> dict:
     import torch
     from nanorl.demo import set_threads
     from nanorl.real import real_config, real_tasks, smollm2_path
-    from nanorl.rollout import step_examples
+    from nanorl.rollout import sample_seeds, step_examples
+    from nanorl.step import sample
     from nanorl.train import Trainer
 
     set_threads(threads)
@@ -102,7 +103,9 @@ def first_step(threads: int, **changes) -> dict:
         record = trainer.step(0)
         moved = torch.cat([((p.detach() - before[n]).abs() / record["lr"]).flatten()
                            for n, p in trainer.model.named_parameters()])                   # (parameters,)
-        again = trainer.sample(0, step_examples(0, cfg.examples_per_step, len(trainer.train_task)))  # same seeds
+        indices = step_examples(0, cfg.examples_per_step, len(trainer.train_task))
+        again = sample(trainer.engine, trainer.policy, trainer.tokenizer, trainer.train_task, indices, cfg.sampling(),
+                       sample_seeds(cfg.seed, 0, indices), cfg.rollout_rows)  # step 0's seeds, the new weights
     return {"changes": changes, "lr_step0": record["lr"], "stop_before": record["stop_rate"],
             "stop_after": 1 - again.truncated(cfg.max_new_tokens).float().mean().item(),
             "median_move_over_lr": moved.median().item(), "moved_over_half_lr": (moved > 0.5).float().mean().item(),

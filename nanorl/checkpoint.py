@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_checkpoint.ipynb #63771ce2
 from __future__ import annotations
-import fcntl, hashlib, json, os, re, shutil, socket, tempfile, warnings
+import errno, fcntl, hashlib, json, os, re, shutil, socket, stat, tempfile, warnings
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -14,16 +14,16 @@ from .llama import (SAFETENSORS_FILE, SAFETENSORS_INDEX, ChatTokenizer, load_lla
                           safetensors_files)
 
 # %% auto #0
-__all__ = ['SOURCES', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'STEERING', 'CheckpointError', 'get_base_dir',
+__all__ = ['SOURCES', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'LEFTOVER', 'STEERING', 'CheckpointError', 'get_base_dir',
            'checkpoint_steps', 'find_last_step', 'find_largest_model', 'detect_generation', 'read_state_dict',
-           'read_meta', 'config_from_meta', 'file_sha256', 'manifest_path', 'write_manifest', 'verify_files',
-           'build_model', 'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps', 'is_hf_folder',
-           'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model', 'atomic_save', 'nanochat_meta',
-           'save_run_state', 'save_checkpoint', 'load_checkpoint', 'load_resume_state', 'ties_embeddings',
-           'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype', 'save_hf_checkpoint',
-           'read_hf_state', 'save_hf_step', 'run_dir', 'check_writable', 'lock_run_dir', 'release_run_dir',
-           'claim_run_dir', 'check_room', 'elastic_restarts', 'complete_steps', 'ranks_hint', 'load_resume_point',
-           'written_steps', 'resume_point', 'check_same_run']
+           'read_meta', 'config_from_meta', 'file_sha256', 'manifest_path', 'write_manifest', 'read_manifest',
+           'verify_files', 'build_model', 'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps',
+           'is_hf_folder', 'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model', 'open_run_file',
+           'raise_write_error', 'atomic_save', 'nanochat_meta', 'save_run_state', 'save_checkpoint', 'load_checkpoint',
+           'load_resume_state', 'ties_embeddings', 'hf_state_dict', 'shard_state', 'write_safetensors',
+           'config_with_dtype', 'save_hf_checkpoint', 'read_hf_state', 'save_hf_step', 'run_dir', 'check_writable',
+           'lock_run_dir', 'remove_leftovers', 'release_run_dir', 'claim_run_dir', 'check_room', 'elastic_restarts',
+           'complete_steps', 'ranks_hint', 'load_resume_point', 'written_steps', 'resume_point', 'check_same_run']
 
 # %% ../nbs/04_checkpoint.ipynb #7c27b53e
 SOURCES = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -138,15 +138,30 @@ def write_manifest(checkpoint_dir, step, names, rank=0):
             files[f.relative_to(d).as_posix()] = file_sha256(f)
     atomic_save({"step": step, "rank": rank, "sha256": files}, manifest_path(d, step, rank))
 
+def read_manifest(path) -> dict:
+    "The {file: sha256} a manifest records; a CheckpointError naming it when it is not such a JSON object."
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as e:                                     # not JSON, not UTF-8
+        raise CheckpointError(f"expected a manifest (JSON) in {path}, found content that is not JSON ({e})") from e
+    recorded = data.get("sha256") if isinstance(data, dict) else None
+    if not (isinstance(recorded, dict) and all(isinstance(v, str) for v in recorded.values())):
+        found = (f"a JSON {type(data).__name__}" if not isinstance(data, dict) else f"keys {sorted(data)[:8]}"
+                 if recorded is None else f"'sha256' as a {type(recorded).__name__}")
+        raise CheckpointError(f"expected a manifest (a JSON object whose 'sha256' maps files to digests) in {path}, "
+                              f"found {found}")
+    return recorded
+
 def verify_files(checkpoint_dir, step, names, rank=0):
-    "Raise a CheckpointError naming a file of `names` whose bytes differ from its manifest (none written: no check)."
+    "Raise a CheckpointError naming a file of `names` that differs from its manifest, or the step's missing manifest."
     path = manifest_path(checkpoint_dir, step, rank)
     if not path.is_file():
-        return                                      # nanochat's own checkpoints, or one from before manifests
-    try:
-        recorded = json.loads(path.read_text())["sha256"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"expected a manifest (JSON with 'sha256') in {path}, found unreadable content") from e
+        others = sorted(Path(checkpoint_dir).glob(f"manifest_*_rank{rank}.json"))
+        if others:                                  # this run writes manifests: one gone is damage
+            raise CheckpointError(f"{path} is missing, though this run wrote manifests for its other steps "
+                                  f"({others[-1].name}): step {step} cannot be checked, so it is not trusted")
+        return                                      # nanochat's own checkpoints: no manifests at all
+    recorded = read_manifest(path)
     for name in names:
         for rel, digest in recorded.items():
             if rel == name or rel.startswith(name + "/"):
@@ -154,7 +169,6 @@ def verify_files(checkpoint_dir, step, names, rank=0):
                 if not f.is_file() or file_sha256(f) != digest:
                     what = "is missing" if not f.is_file() else "differs from what was written (corrupt or replaced)"
                     raise CheckpointError(f"{f} {what}: its sha256 is recorded in {path.name}")
-
 
 # %% ../nbs/04_checkpoint.ipynb #c01c1dac
 def build_model(checkpoint_dir, step, device, phase="eval", generation=None):
@@ -282,9 +296,9 @@ def load_hf_model(folder, device, phase="eval"):
     try:
         model = load_llama(folder, torch.device(device))
         tokenizer = ChatTokenizer.from_directory(folder)
-    except Exception as e:                        # truncated safetensors or tokenizer.json, a template that won't parse
+    except Exception as e:                        # a truncated or corrupt file, a template that won't parse: named
         raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {type(e).__name__}: "
-                              f"{str(e)[:300]}; the folder's files may be truncated or corrupt") from e
+                              f"{str(e)[:400]}") from e
     if tokenizer.get_vocab_size() > model.config.vocab_size:
         raise CheckpointError(f"tokenizer.json in {folder} has {tokenizer.get_vocab_size()} tokens, more than the "
                               f"model's vocab_size={model.config.vocab_size}")
@@ -331,12 +345,48 @@ def load_model(source_or_dir, device, model_tag=None, step=None, phase="eval", b
     return model, tokenizer, meta
 
 # %% ../nbs/04_checkpoint.ipynb #503031e4
+def open_run_file(path, mode: str = "r"):
+    "A file of the run opened where it is, never through a link; a ValueError naming it if it is a link or no file."
+    path = Path(path)
+    flags = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}[mode[0]]
+    flags = (flags & ~os.O_WRONLY) | os.O_RDWR if "+" in mode else flags
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)     # NONBLOCK: a FIFO cannot hang here
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):                      # a link; a FIFO nobody reads
+            raise
+        fd = None
+    kind = stat.S_IFMT(os.lstat(path).st_mode if fd is None else os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        if fd is not None:
+            os.close(fd)
+        what = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory"}.get(kind, "")
+        raise ValueError(f"{path} is {what or 'not a regular file'}, where the run keeps a file of its own; "
+                         "nanorl neither follows nor writes through it: remove it")
+    os.set_blocking(fd, True)
+    if mode[0] == "w":
+        os.ftruncate(fd, 0)                                                # only once it is known to be a file
+    return os.fdopen(fd, mode)
+
+def raise_write_error(e: Exception, path):
+    "Raise a writer's failure as the OSError behind it (torch's RuntimeError, safetensors' error), naming `path`."
+    cause = e
+    while cause is not None and not isinstance(cause, OSError):
+        if m := re.search(r"os error (\d+)", str(cause)):                   # safetensors: "... (os error 28)"
+            cause = OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+        else:
+            cause = cause.__cause__ or cause.__context__                   # torch: a RuntimeError after the OSError
+    if cause is None or cause.errno is None:
+        raise e
+    raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
+
 def atomic_save(obj, path):
     "torch.save (or JSON for a path ending in .json) to a temporary file, then rename it into place."
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "xb") as f:                                         # x: a new file, never through a link
             if path.suffix == ".json":
                 f.write(json.dumps(obj, indent=2).encode())
             else:
@@ -344,9 +394,10 @@ def atomic_save(obj, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:
+        raise_write_error(e, path)                                         # a full disk: an OSError naming the file
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 def nanochat_meta(meta) -> dict:
     "A copy of `meta` whose model_config has only nanochat's keys (generation moves to meta['nanorl'])."
@@ -442,13 +493,19 @@ def write_safetensors(folder, state: dict, max_shard_bytes: int = MAX_SHARD_BYTE
     "model.safetensors, or shards and their index above max_shard_bytes; returns the files written."
     from safetensors.torch import save_file
     folder, shards = Path(folder), shard_state(state, max_shard_bytes)
+
+    def save(shard, name):
+        try:
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+        except Exception as e:                          # safetensors' error for a full disk: an OSError naming the file
+            raise_write_error(e, folder / name)
     if len(shards) == 1:
-        save_file(shards[0], str(folder / SAFETENSORS_FILE), metadata={"format": "pt"})
+        save(shards[0], SAFETENSORS_FILE)
         return [SAFETENSORS_FILE]
     weight_map, names = {}, []
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        save(shard, name)
         weight_map.update(dict.fromkeys(shard, name))
         names.append(name)
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -558,7 +615,7 @@ def lock_run_dir(directory: Path) -> Path:
     if directory in _LOCKS:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    f = open(directory / ".lock", "a+")
+    f = open_run_file(directory / ".lock", "a+")                         # a link or a FIFO there: refused
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -571,7 +628,25 @@ def lock_run_dir(directory: Path) -> Path:
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     _LOCKS[directory] = f
+    remove_leftovers(directory)
     return directory
+
+# what an interrupted atomic_save or _publish_dir leaves: `.<checkpoint file>.tmp<pid>`, `.step_<N>.tmp|old<pid>`
+LEFTOVER = re.compile(r"\.((model|meta|optim|resume|manifest)_\d+\S*\.tmp|step_\d+\.(tmp|old))\d+")
+
+def remove_leftovers(directory: Path) -> list[str]:
+    "Remove the temporary files and folders an interrupted save left in `directory` (its lock held); their names."
+    gone = sorted(p.name for p in Path(directory).iterdir() if LEFTOVER.fullmatch(p.name))
+    for name in gone:
+        p = Path(directory) / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    if gone:
+        warnings.warn(f"removed what an interrupted save left in {directory}: {', '.join(gone[:4])}"
+                      f"{', ...' if len(gone) > 4 else ''}")
+    return gone
 
 def release_run_dir(directory: Path):
     "Let go of the run directory's lock, if this process holds it."

@@ -21,14 +21,14 @@ from .speedups import use_fast_paths
 from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
-from .checkpoint import lock_run_dir, release_run_dir
+from .checkpoint import lock_run_dir, open_run_file, release_run_dir
 from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, PRESETS, Config, add_config_flag, make_tasks, train
 
 # %% auto #0
 __all__ = ['DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',
            'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config', 'eval_points', 'moving_average', 'plot_run',
-           'set_threads', 'demo_files', 'record_files', 'claim_dir', 'prepare', 'run_rl', 'before_after', 'run_demo',
-           'demo_parser', 'main']
+           'set_threads', 'demo_files', 'record_files', 'read_mark', 'claim_dir', 'prepare', 'run_rl', 'before_after',
+           'run_demo', 'demo_parser', 'main']
 
 # %% ../nbs/17_demo.ipynb #3b6f2382
 @dataclass
@@ -237,27 +237,53 @@ def demo_files(out: Path) -> set[str]:
 
 def record_files(out: Path):
     "Write the demo's mark: every file now under `out` is the demo's (it refused any folder holding others)."
-    (out / DEMO_MARK).write_text(json.dumps({"files": sorted(demo_files(out))}, indent=0))
+    with open_run_file(out / DEMO_MARK, "w") as f:                     # a link there is refused, never written through
+        f.write(json.dumps({"files": sorted(demo_files(out))}, indent=0))
+
+def read_mark(out: Path) -> set[str]:
+    "The files an earlier demo listed in its mark; a ValueError naming the mark for anything but names inside `out`."
+    mark, root = out / DEMO_MARK, out.resolve()
+    if not os.path.lexists(mark):
+        return set()
+    with open_run_file(mark) as f:
+        try:
+            data = json.loads(f.read())
+        except ValueError as e:
+            raise ValueError(f"{mark} is not the demo's mark: not JSON ({e}); delete it or give a new folder") from None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+        found = f"keys {sorted(data)[:5]}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise ValueError(f"{mark} is not the demo's mark: expected a JSON object whose 'files' lists names, found "
+                         f"{found}; delete it or give a new folder")
+    for name in files:
+        inside = root in (out / name).resolve().parents and ".." not in Path(name).parts
+        if not inside or Path(name).is_absolute():
+            raise ValueError(f"{mark} lists {name!r}, which is not a file inside {out}; the demo deletes only its own "
+                             "files there: delete the mark or give a new folder")
+    return set(files)
 
 def claim_dir(out: Path):
     "Lock `out` and remove what an earlier demo wrote there; a ValueError if it holds anything the demo did not write."
     out.mkdir(parents=True, exist_ok=True)
-    own_lock = not (out / ".lock").exists()
+    own_lock = not os.path.lexists(out / ".lock")
     lock_run_dir(out)                                   # two demos on one folder: the second stops here
-    mark = out / DEMO_MARK
-    written = set(json.loads(mark.read_text())["files"]) if mark.is_file() else set()
-    stray = sorted(demo_files(out) - written)
-    if stray:
+    try:
+        written = read_mark(out)
+        stray = sorted(demo_files(out) - written)
+        if stray:
+            killed = " (a demo killed mid-run leaves files it had not listed yet: delete the folder)" if written else ""
+            raise ValueError(f"--output-dir {out} holds files the demo did not write ({', '.join(stray[:3])}"
+                             f"{', ...' if len(stray) > 3 else ''}); the demo only replaces its own files: give it a "
+                             f"new or empty folder{killed}")
+    except ValueError:
         release_run_dir(out)
         if own_lock:
             (out / ".lock").unlink()                    # the folder is left as it was found
-        killed = " (a demo killed mid-run leaves files it had not listed yet: delete the folder)" if written else ""
-        raise ValueError(f"--output-dir {out} holds files the demo did not write ({', '.join(stray[:3])}"
-                         f"{', ...' if len(stray) > 3 else ''}); the demo only replaces its own files: give it a new "
-                         f"or empty folder{killed}")
-    for name in written:
-        (out / name).unlink(missing_ok=True)
-    for d in sorted({(out / n).parent for n in written}, key=lambda p: -len(p.parts)):   # deepest first
+        raise
+    gone = written & demo_files(out)                    # listed, and a file inside `out` now
+    for name in gone:
+        (out / name).unlink()
+    for d in sorted({(out / n).parent for n in gone}, key=lambda p: -len(p.parts)):   # deepest first
         while d != out and d.is_dir() and not any(d.iterdir()):
             d.rmdir()
             d = d.parent

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json
 import math
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,15 +26,28 @@ from .tokenizer import MaskView, Tokenizer
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE', 'SPECIAL_TOKEN_KEYS',
-           'NANOCHAT_TOOL_TOKENS', 'Llama3Scaling', 'DecoderConfig', 'rope_settings', 'config_from_dict', 'RMSNorm',
-           'rope_inv_freq', 'rope_tables', 'Attention', 'SwiGLU', 'DecoderLayer', 'Llama', 'safetensors_files',
-           'read_weights', 'check_weights', 'load_llama', 'template_tojson', 'template_raise', 'template_strftime',
-           'compile_chat_template', 'message_text', 'template_messages', 'read_json', 'token_text',
-           'find_chat_template', 'id_list', 'ChatTokenizer']
+           'NANOCHAT_TOOL_TOKENS', 'RENDER_SECONDS', 'RENDER_RANGE', 'RENDER_CHARS', 'read_json', 'Llama3Scaling',
+           'DecoderConfig', 'rope_settings', 'config_from_dict', 'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention',
+           'SwiGLU', 'DecoderLayer', 'Llama', 'safetensors_files', 'read_weights', 'check_weights', 'load_llama',
+           'template_tojson', 'template_raise', 'template_strftime', 'BudgetError', 'BudgetSandbox',
+           'compile_chat_template', 'message_text', 'template_messages', 'token_text', 'find_chat_template', 'id_list',
+           'ChatTokenizer']
 
 # %% ../nbs/03_llama.ipynb #0f6770e4
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+def read_json(path):
+    "The JSON object in `path`, or {} if there is no such file; a ValueError naming the file if it holds no object."
+    if not Path(path).exists():
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:                                     # not JSON, not UTF-8
+        raise ValueError(f"{path} is not JSON ({e}); the file may be truncated or corrupt") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
 
 @dataclass(frozen=True)
 class Llama3Scaling:
@@ -88,7 +102,7 @@ class DecoderConfig:
         path = Path(folder) / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"expected a Hugging Face config.json in {folder}, found none")
-        return config_from_dict(json.loads(path.read_text()), source=str(path))
+        return config_from_dict(read_json(path), source=str(path))
 
 # %% ../nbs/03_llama.ipynb #3ae2cb3c
 def rope_settings(cfg, source="config.json"):
@@ -293,7 +307,10 @@ def safetensors_files(folder):
     "The weight files of a Hugging Face folder: the shards its index lists, else model.safetensors."
     folder, index = Path(folder), Path(folder) / SAFETENSORS_INDEX
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object naming the shards")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).exists()]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that are missing: {missing}")
@@ -307,10 +324,14 @@ def read_weights(files, dtype=torch.float32, device="cpu"):
     from safetensors import safe_open
     tensors, origin = {}, {}
     for path in files:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name).to(dtype)
-                origin[name] = Path(path).name
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).to(dtype)
+                    origin[name] = Path(path).name
+        except Exception as e:                                  # a cut-short file fails in its header or a tensor
+            raise ValueError(f"{path} is not readable safetensors ({type(e).__name__}: {str(e)[:200]}); the file "
+                             "may be truncated or corrupt") from e
     return tensors, origin
 
 def check_weights(model, tensors, origin, folder):
@@ -375,13 +396,63 @@ def template_strftime(fmt):
     "`strftime_now(format)` inside a chat template: the current local time."
     return datetime.now().strftime(fmt)
 
+RENDER_SECONDS, RENDER_RANGE, RENDER_CHARS = 10.0, 10**6, 2**25   # one rendering: seconds, range items, characters
+
+class BudgetError(jinja2.exceptions.TemplateRuntimeError):
+    "A chat template went over its rendering budget."
+
+class BudgetSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    "transformers' sandbox, each rendering on a budget: seconds, items its `range` calls make, characters of a text."
+    intercepted_binops = frozenset({"+", "*"})
+    deadline, items = float("inf"), 0
+
+    def start(self):
+        "Open the budget of one rendering."
+        self.deadline, self.items = time.monotonic() + RENDER_SECONDS, 0
+
+    def check(self, chars: int = 0):
+        "Raise a BudgetError when the rendering is past its time or a text past its size."
+        if chars > RENDER_CHARS:
+            raise BudgetError(f"a text of more than {RENDER_CHARS:,} characters")
+        if time.monotonic() > self.deadline:
+            raise BudgetError(f"more than {RENDER_SECONDS:g} s")
+
+    def range(self, *args):
+        "The sandbox's `range`, its items counted (nested loops multiply them)."
+        r = jinja2.sandbox.safe_range(*args)
+        self.items += len(r)
+        if self.items > RENDER_RANGE:
+            raise BudgetError(f"loops over more than {RENDER_RANGE:,} items of `range`")
+        return r
+
+    def call(self, context, obj, /, *args, **kwargs):
+        "Any call the template makes, within the budget."
+        self.check()
+        return super().call(context, obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        "`obj.attribute`, within the budget."
+        self.check()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        "`obj[argument]`, within the budget."
+        self.check()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context, operator, left, right):
+        "`+` and `*`, the size of the text or list they would make checked first."
+        a, b = (right, left) if operator == "*" and isinstance(left, int) else (left, right)
+        if isinstance(a, (str, list, tuple)):
+            n = b if operator == "*" and isinstance(b, int) else len(b) if isinstance(b, (str, list, tuple)) else 0
+            self.check(len(a) * n if operator == "*" else len(a) + n)
+        return super().call_binop(context, operator, left, right)
+
 def compile_chat_template(source):
-    "A jinja2 Template from a chat template's text, in a sandboxed environment set up as transformers sets it up."
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    "A jinja2 Template from a chat template's text, in a sandbox set up as transformers sets it up, on a budget."
+    env = BudgetSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = template_tojson
-    env.globals["raise_exception"] = template_raise
-    env.globals["strftime_now"] = template_strftime
+    env.globals.update(raise_exception=template_raise, strftime_now=template_strftime, range=env.range)
     return env.from_string(source)
 
 def message_text(content):
@@ -411,10 +482,6 @@ def template_messages(conversation):
     return [{"role": m["role"], "content": message_text(m["content"])} for m in messages]
 
 # %% ../nbs/03_llama.ipynb #5f1d68dc
-def read_json(path):
-    "The JSON object in `path`, or {} if there is no such file."
-    return json.loads(Path(path).read_text(encoding="utf-8")) if Path(path).exists() else {}
-
 def token_text(entry):
     "A special token's text from a tokenizer config entry: a str, an AddedToken-like dict, or None."
     return entry.get("content") if isinstance(entry, dict) else entry
@@ -445,7 +512,10 @@ class ChatTokenizer:
         self.plain.encode_special_tokens = True               # `encode`: special-token strings stay ordinary text
         self.special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.template_text, self.template_source = chat_template, template_source
-        self.template = compile_chat_template(chat_template) if chat_template else None
+        try:
+            self.template = compile_chat_template(chat_template) if chat_template else None
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{template_source}: not a valid chat template (line {e.lineno}: {e.message})") from e
         self.eos_token_ids, self.max_len = list(eos_token_ids), max_len
         self._special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._end_of_turn = None
@@ -460,7 +530,11 @@ class ChatTokenizer:
         names = {**read_json(folder / "special_tokens_map.json"), **config}
         special = {k: token_text(names.get(k)) for k in SPECIAL_TOKEN_KEYS}
         template, source = find_chat_template(folder, config)
-        tk = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            tk = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:
+            raise ValueError(f"{folder / 'tokenizer.json'} is not a readable tokenizer ({str(e)[:200]}); the file "
+                             "may be truncated or corrupt") from e
         eos = id_list(read_json(folder / "generation_config.json").get("eos_token_id"))
         max_len = read_json(folder / "config.json").get("max_position_embeddings")
         return cls(tk, template, special, eos, max_len, source)
@@ -508,11 +582,24 @@ class ChatTokenizer:
 # %% ../nbs/03_llama.ipynb #b8d7764d
 @patch
 def render_text(self: ChatTokenizer, messages, add_generation_prompt=False):
-    "The chat template's text for a list of {role, content: str} messages."
+    "The chat template's text for a list of {role, content: str} messages; a ValueError naming the template on failure."
     if self.template is None:
         raise ValueError(f"{self.template_source}: this tokenizer has no chat template")
-    return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                documents=None, **self.special)
+    env, pieces, size = self.template.environment, [], 0
+    env.start()
+    try:
+        for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            tools=None, documents=None, **self.special):
+            size += len(piece)
+            env.check(size)
+            pieces.append(piece)
+    except BudgetError as e:
+        raise ValueError(f"{self.template_source}: rendering the chat template went over its budget ({e}); a "
+                         "template that needs more is broken or hostile: fix or replace it") from None
+    except Exception as e:                      # the sandbox's refusal, raise_exception(...), memory run out
+        what = "out of memory" if isinstance(e, MemoryError) else f"{type(e).__name__}: {str(e)[:200]}"
+        raise ValueError(f"{self.template_source}: the chat template failed ({what})") from e
+    return "".join(pieces)
 
 @patch
 def _chat_ids(self: ChatTokenizer, text):

@@ -9,33 +9,25 @@ __all__ = ['rl_loop']
 import torch
 
 from .engine import Engine
-from .rollout import Sampling, collate, rollout, sample_seeds, score, step_examples, trained_rows
-from .loss import token_logp
+from .rollout import Sampling, sample_seeds, step_examples
+from .step import LossSettings, Policy, learn, sample, score, update
 
 # %% ../nbs/19_loop.ipynb #044f24b6
-def rl_loop(model, tokenizer, task, steps: int = 40, problems: int = 16, samples: int = 8, max_new_tokens: int = 48,
-            lr_frac: float = 0.1) -> list[float]:
-    "On-policy RL: sample a group per problem, reward, advantage, log-probs, loss, step; each step's mean reward."
-    engine, pad = Engine(model, tokenizer), tokenizer.encode_special("<|assistant_end|>")
-    optimizer = model.setup_optimizers()                                      # nanochat's groups and base rates
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * lr_frac
-    sampling = Sampling(num_samples=samples, max_new_tokens=max_new_tokens, temperature=1.0, top_k=0)
+def rl_loop(model, tokenizer, task, steps: int = 40, problems: int = 16, sampling: Sampling = Sampling(8, 48, 1.0, 0),
+            settings: LossSettings = LossSettings(), optimizer=None) -> list[float]:
+    "On-policy RL: sample a group per problem, score, learn, update (`15a_step`); each step's mean reward."
+    engine, policy = Engine(model, tokenizer), Policy(model, pad_id=tokenizer.encode_special("<|assistant_end|>"))
+    if optimizer is None:                                    # nanochat's groups at a tenth of their base rates
+        optimizer = model.setup_optimizers()
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = 0.1 * group["initial_lr"]
     mean_rewards = []
     for step in range(steps):
-        indices = step_examples(step, problems, len(task))                     # this step's problems
-        model.eval()
-        batch = rollout(engine, tokenizer, task, indices, sampling, sample_seeds(0, step, indices), max_rows=256)
-        scores = score(tokenizer, task, indices, batch, samples)               # rewards; advantages = r - group mean
-        seqs, masks, _ = trained_rows(batch, range(len(batch.sequences)))     # each answer, its stop token included
-        inputs, targets = collate(seqs, masks, pad)                            # (B, T) each, targets -1: untrained
-        model.train()
-        logp = token_logp(model, inputs, targets)                              # (B, T) log p(sampled token)
-        trained = targets != -1                                                # (B, T)
-        advantages = scores.advantages[:, None]                                # (B, 1): every token of an answer
-        loss = -(advantages * logp * trained).sum() / trained.sum()            # carries that answer's advantage
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        indices = step_examples(step, problems, len(task))                       # this step's problems
+        seeds = sample_seeds(0, step, indices)                                   # one per problem
+        batch = sample(engine, policy, tokenizer, task, indices, sampling, seeds, max_rows=256)
+        scores = score(tokenizer, task, indices, batch, settings, sampling.max_new_tokens)   # r, A = r - mean(r)
+        learn(policy, batch, scores, sampling, settings)                        # -A log p, backward
+        update(policy, optimizer)                                                 # one optimizer step
         mean_rewards.append(scores.rewards.mean().item())
     return mean_rewards

@@ -145,7 +145,7 @@ def main(argv=None):
     except (ValueError, OSError, NonFiniteError) as e:
         sys.exit(f"nanorl.real: error: {e}")
     tqdm.write(f"held-out pass@1 {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± {s['after_se']:.3f} "
-          f"in {s['seconds'] / 60:.1f} min; curves: {s['plot']}")
+          f"(± sampling standard error) in {s['seconds'] / 60:.1f} min; curves: {s['plot']}")
     return s
 
 # %% ../nbs/18_real.ipynb #b0d40bf1

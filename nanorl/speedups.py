@@ -22,7 +22,7 @@ __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS'
            'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'best_seconds',
            'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
            'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths',
-           'keep_freed_memory', 'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache', 'shared_token_logp']
+           'keep_freed_memory']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
@@ -325,70 +325,3 @@ def keep_freed_memory(largest: int = 1 << 30, headroom: int = 1 << 28) -> bool:
     libc = ctypes.CDLL(None)                                   # the C library this process already runs on
     settings = ((M_MMAP_THRESHOLD, largest), (M_TRIM_THRESHOLD, largest), (M_TOP_PAD, headroom))
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
-
-# %% ../nbs/13_speedups.ipynb #5c0a1302
-from .loss import token_logp
-
-class GraphKVCache:
-    "Keys/values kept as autograd tensors (no buffer, no detach), for a prefix computed once and shared by B rows."
-    def __init__(self, num_layers, max_seq_len, device=None):
-        self.keys, self.values = [None] * num_layers, [None] * num_layers    # each (1 | B, T, H_kv, D)
-        self.cache_seqlens = torch.zeros(1, dtype=torch.long, device=device) # (B,)
-        self.prev_embedding = None                                            # (1 | B, 1, d), in the graph
-        self.max_seq_len = max_seq_len
-
-    @property
-    def batch_size(self):
-        "Rows the cache holds: 1 for the prefix, B once expanded."
-        return self.cache_seqlens.shape[0]
-
-    def expand(self, batch_size):
-        "Share what is stored so far (batch 1) with `batch_size` rows."
-        if self.batch_size != 1:
-            raise ValueError(f"only a batch-1 prefix can be expanded, this cache has {self.batch_size} rows")
-        self.cache_seqlens = self.cache_seqlens.expand(batch_size).clone()
-        return self
-
-    def update(self, layer, k, v, ctx):
-        "Append keys/values (B, T, H_kv, D) after the stored ones; return all of them (B, k_len, H_kv, D)."
-        if not ctx["uniform"]:
-            raise ValueError("GraphKVCache needs every row at the same position")
-        if self.keys[layer] is not None:
-            B = k.shape[0]
-            k = torch.cat([self.keys[layer].expand(B, -1, -1, -1), k], dim=1)
-            v = torch.cat([self.values[layer].expand(B, -1, -1, -1), v], dim=1)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def remember_last(self, x):
-        "Keep the last position of x (B, T, d) for the next forward's smear, gradient included."
-        self.prev_embedding = x[:, -1:]
-
-# %% ../nbs/13_speedups.ipynb #5c0a1304
-def shared_prefix_len(inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    "Leading positions that every row of inputs (B, T) has in common and none trains on; at most T - 1."
-    B, T = inputs.shape
-    if B < 2 or T < 2:
-        return 0
-    stop = ((inputs != inputs[:1]).any(0) | (targets != -1).any(0)).nonzero()  # positions where sharing ends
-    return min(int(stop[0]) if len(stop) else T, T - 1)
-
-def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKVCache:
-    "A cache holding the first prefix_len tokens of inputs (B, T), run once at batch 1, shared by all B rows."
-    cache = GraphKVCache(model.config.n_layer, model.rotary_len, inputs.device)
-    if prefix_len:
-        model.hidden(inputs[:1, :prefix_len], kv_cache=cache)
-    return cache.expand(inputs.shape[0])
-
-def shared_token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
-                      entropy_grad: bool = False, sampler=None):
-    "`token_logp` (B, T) with the rows' shared prompt run once; the plain path where nothing can be shared."
-    fsdp_grad = torch.is_grad_enabled() and isinstance(model, FSDPModule)    # FSDP2 frees weights between calls
-    P = 0 if fsdp_grad else shared_prefix_len(inputs, targets)
-    if not P:
-        return token_logp(model, inputs, targets, with_entropy, entropy_grad, sampler)
-    cache = shared_prefix_cache(model, inputs, P)
-    logp, entropy = token_logp(model, inputs[:, P:], targets[:, P:], True, entropy_grad, sampler,
-                               kv_cache=cache)                                  # (B, T - P) each
-    logp, entropy = (F.pad(x, (P, 0)) for x in (logp, entropy))                # (B, T) each
-    return (logp, entropy) if with_entropy else logp

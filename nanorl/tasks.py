@@ -227,6 +227,16 @@ def get_example(self: GSM8K, index: int) -> dict:
     row = self.rows[self.indices[index]]
     return gsm8k_conversation(row["question"], row["answer"])
 
+@patch
+def where(self: GSM8K, i: int) -> str:
+    "Where example `i` comes from, for messages: its file and line (a .jsonl file), else its row of the source."
+    row = self.row_index(i)
+    path = Path(self.source)
+    if path.suffix == ".jsonl" and path.is_file():            # read_jsonl's rows are its non-blank lines
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        return f"{path}, line {[n for n, line in enumerate(text, 1) if line.strip()][row]}"
+    return f"{self.source}, row {row + 1}"
+
 # %% ../nbs/08_tasks.ipynb #28f7e3ec
 _NAMES = [("Tom", "he"), ("Ann", "she"), ("Sam", "he"), ("Mia", "she"), ("Leo", "he"), ("Eva", "she")]
 _THINGS = ["apples", "pens", "cards", "eggs", "coins", "books", "stamps", "shells"]

@@ -62,18 +62,34 @@ def train_bpe(texts, vocab_size, pattern=SPLIT_PATTERN):
     return bpe_encoding(ranks, bpe.get_pattern())
 
 # %% ../nbs/01_tokenizer.ipynb #cb19bf5c
+class _NamedEncoding(pickle.UnpicklingError):
+    "A pickle that names a tiktoken encoding instead of holding its ranks."
+
+class _ByValueEncoding(tiktoken.Encoding):
+    "A `tiktoken.Encoding` restored from its ranks only: a pickle that just names an encoding would download it."
+    def __setstate__(self, value):
+        if isinstance(value, str):
+            raise _NamedEncoding(f"the pickle names the tiktoken encoding {value!r} instead of holding its ranks; "
+                                 "loading it would download it, so it is refused")
+        super().__setstate__(value)
+
 class _EncodingOnlyUnpickler(pickle.Unpickler):
-    "An unpickler that can build a `tiktoken.Encoding` and nothing else."
+    "An unpickler that can build a `tiktoken.Encoding` (from its ranks) and nothing else."
     def find_class(self, module, name):
         if (module, name) == ("tiktoken.core", "Encoding"):
-            return tiktoken.core.Encoding
+            return _ByValueEncoding
         raise pickle.UnpicklingError(
             f"expected only tiktoken.core.Encoding in a tokenizer pickle, found {module}.{name}")
 
 def load_pickled_encoding(path):
     "Read nanochat's `tokenizer.pkl`; refuses any pickled object other than a `tiktoken.Encoding`."
     with open(path, "rb") as f:
-        enc = _EncodingOnlyUnpickler(f).load()
+        try:
+            enc = _EncodingOnlyUnpickler(f).load()
+        except _NamedEncoding as e:
+            raise ValueError(f"{path}: {e}") from e
+    if type(enc) is _ByValueEncoding:
+        enc.__class__ = tiktoken.Encoding                 # the plain class again: it pickles as nanochat's does
     if not isinstance(enc, tiktoken.Encoding):
         raise ValueError(f"expected a pickled tiktoken.Encoding in {path}, found {type(enc).__name__}")
     return enc

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from nanorl.model import GPT, GPTConfig
 from nanorl.scale import gathered, held_bytes, memory_per_rank, peak_memory, reset_peak_memory, shard_model, shard_units
-from nanorl.train import Config, build_optimizer, sync_and_step
+from nanorl.step import Policy, update
+from nanorl.train import Config, build_optimizer
 
 SHAPE = GPTConfig(sequence_len=128, vocab_size=16384, n_layer=4, n_head=2, n_kv_head=2, n_embd=256)  # 20M parameters
 
@@ -17,7 +18,7 @@ def train_step(model, optimizer, ids, world):
     "One forward, backward and update on `ids` (B, T); returns the bytes held after the backward, before the update."
     model(ids[:, :-1], targets=ids[:, 1:]).backward()
     held = held_bytes(model, optimizer)
-    sync_and_step(model, optimizer, 1.0, world)
+    update(Policy(model, world_size=world), optimizer)
     return held
 
 

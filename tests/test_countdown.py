@@ -10,7 +10,8 @@ from doubles import ReplyEngine, load_fixture_model, save_tiny_hf_model, tiny_ch
 from nanorl.engine import Engine
 from nanorl.evaluate import sample_outcomes
 from nanorl.llama import template_messages
-from nanorl.rollout import Sampling, collate, completion_text, prompt_ids, rollout, sample_seeds, score
+from nanorl.rollout import Sampling, collate, completion_text, prompt_ids, rollout, sample_seeds
+from nanorl.step import score
 from nanorl.tasks import COUNTDOWN_SYSTEM, Countdown, CountdownShaping, countdown_reward
 from nanorl.train import Config, config_from_args, make_tasks, validate
 
@@ -192,7 +193,7 @@ def test_assistant_prefix_is_prompt_not_trained_and_rewarded(tok, tmp_path):
         assert (targets[0, : len(prompt) - 1] == -1).all(), name  # no prefix token is ever a target
         # a reply that only closes the think block the prefix opened: right and formatted, as the reward sees it
         scripted = rollout(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2), [0], max_rows=8)
-        scores = score(tk, task, [0], scripted, 2)
+        scores = score(tk, task, [0], scripted)
         assert scores.rewards.tolist() == [1.5, 1.5], name
         assert task.reward(task[0], reply) == 1.0  # the same text without the prefix: no format term
         outcomes = sample_outcomes(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2)).outcomes

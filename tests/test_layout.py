@@ -16,15 +16,23 @@ def code_cells(nb_path):
     return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
 
 
+NUMBERED = r"(\d\d)([a-z]?)_(\w+)"  # 16_train; 15a_step and 15b_config sit between 15 and 16, numbers kept
+
+
+def numbered_notebooks():
+    "The course's notebooks, in their order: `NN_name` and `NNa_name`."
+    return sorted(nb for nb in NBS.glob("[0-9][0-9]*_*.ipynb") if re.fullmatch(NUMBERED, nb.stem))
+
+
 def notebook_modules() -> dict:
-    "module name -> its notebook's position in the course, from each numbered notebook's `#| default_exp`."
+    "module name -> its notebook's position (number, letter) in the course, from each `#| default_exp`."
     order = {}
-    for nb in sorted(NBS.glob("[0-9][0-9]_*.ipynb")):
+    for nb in numbered_notebooks():
         found = [m.group(1) for src in code_cells(nb) for m in re.finditer(r"^#\| default_exp (\w+)", src, re.M)]
         assert len(found) == 1, f"{nb.name}: expected one `#| default_exp`, found {found}"
-        number, name = nb.stem.split("_", 1)
+        number, letter, name = re.fullmatch(NUMBERED, nb.stem).groups()
         assert name == found[0], f"{nb.name} exports nanorl.{found[0]}: a notebook is named by its module"
-        order[found[0]] = int(number)
+        order[found[0]] = (int(number), letter)
     return order
 
 

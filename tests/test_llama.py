@@ -2,6 +2,9 @@
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -9,7 +12,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from doubles import HF_KINDS, gsm8k_chat_conversations, save_tiny_hf_model, tiny_hf_tokenizer, to_transformers4_layout
+from doubles import (HF_KINDS, gsm8k_chat_conversations, save_tiny_hf_model, small_run, tiny_hf_tokenizer,
+                     to_transformers4_layout)
 from nanorl.engine import Engine
 from nanorl.llama import (
     ChatTokenizer,
@@ -20,6 +24,7 @@ from nanorl.llama import (
     rope_settings,
     template_messages,
 )
+from harness import ENV
 from rounding import LOGITS_ATOL, assert_greedy_agrees
 
 KINDS = ("qwen2", "qwen3", "llama")
@@ -390,7 +395,7 @@ def test_shared_prompt_pass_equals_plain(tmp_path, model_type):
     "The speed room's shared-prompt pass (the prompt once, in a GraphKVCache) gives the plain path's values and grads."
     from nanorl.checkpoint import load_model
     from nanorl.loss import token_logp
-    from nanorl.speedups import shared_prefix_len, shared_token_logp
+    from nanorl.loss import shared_prefix_len, shared_token_logp
 
     save_tiny_hf_model(model_type, tmp_path)
     model, tok, _ = load_model(tmp_path, "cpu")
@@ -412,3 +417,88 @@ def test_shared_prompt_pass_equals_plain(tmp_path, model_type):
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
     for name, g in g_plain.items():
         torch.testing.assert_close(g_shared[name], g, atol=1e-5 * (g.abs().max().item() + 1e-12), rtol=0)
+
+
+# ---------------------------------------------------------------- broken folders and hostile templates: one line each
+
+
+def train_error(folder, tmp_path) -> str:
+    "The one-line message `python -m nanorl.train --model-path folder` exits with."
+    from nanorl.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model-path", str(folder), "--output-dir", str(tmp_path / "out"), *small_run(num_steps=1)])
+    return str(e.value.code)
+
+
+@pytest.mark.parametrize("name, damage, fragment", [
+    ("model.safetensors", None, "is not readable safetensors"),
+    ("config.json", "{oops", "is not JSON"),
+    ("tokenizer_config.json", "{oops", "is not JSON"),
+    ("tokenizer.json", None, "is not a readable tokenizer"),
+])
+def test_broken_hf_file_is_named(tmp_path, name, damage, fragment):
+    "A cut-short weight or tokenizer file, a config that is not JSON: the file and what is wrong, in one line."
+    from nanorl.checkpoint import CheckpointError, load_model
+
+    folder = tmp_path / "qwen2"
+    save_tiny_hf_model("qwen2", folder)
+    path = folder / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2] if damage is None else damage.encode())
+    with pytest.raises(CheckpointError, match=f"{path} {fragment}"):
+        load_model(folder, "cpu")
+    msg = train_error(folder, tmp_path)
+    assert f"{path} {fragment}" in msg and "\n" not in msg, msg
+
+
+GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+TEMPLATE_TRAPS = {
+    "nested ranges": ("{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+                      "over its budget (loops over more than 1,000,000 items of `range`)"),
+    "a huge text": ("{{ 'x' * 100000000 }}", "over its budget (a text of more than"),
+    "the sandbox": ("{{ messages.append(1) }}", "SecurityError: access to attribute 'append'"),
+}
+
+
+@pytest.mark.parametrize("trap", TEMPLATE_TRAPS)
+def test_hostile_template_is_one_line_in_seconds(tmp_path, trap):
+    "Loops each under the sandbox's range cap (hours unchecked), a huge text, a sandbox refusal: a line naming it."
+    folder = tmp_path / "qwen2"
+    save_tiny_hf_model("qwen2", folder)
+    source, fragment = TEMPLATE_TRAPS[trap]
+    (folder / "chat_template.jinja").write_text(source + GENERATION_PROMPT)
+    t0 = time.perf_counter()
+    msg = train_error(folder, tmp_path)
+    assert f"{folder / 'chat_template.jinja'}: " in msg and fragment in msg and "\n" not in msg, msg
+    assert time.perf_counter() - t0 < 60
+
+
+def test_template_past_its_time_is_named(tmp_path, monkeypatch):
+    "A template whose loops stay under every count but run past the time budget (here 0.2 s) stops, named."
+    import nanorl.llama
+
+    folder = tmp_path / "qwen2"
+    save_tiny_hf_model("qwen2", folder)
+    loops = "{% for i in range(900) %}{% for j in range(900) %}{% if messages[0].role == 'x' %}{% endif %}"
+    (folder / "chat_template.jinja").write_text(loops + "{% endfor %}{% endfor %}" + GENERATION_PROMPT)
+    monkeypatch.setattr(nanorl.llama, "RENDER_SECONDS", 0.2)
+    tok = ChatTokenizer.from_directory(folder)
+    with pytest.raises(ValueError, match=r"chat_template.jinja: rendering the chat template went over its budget "
+                                         r"\(more than 0.2 s\)"):
+        tok.render_for_completion(gsm8k_chat_conversations(1)[0])
+
+
+def test_template_out_of_memory_is_one_line(tmp_path):
+    "A template that fills memory (a process capped at 1 GiB more than it holds): a line naming it, no traceback."
+    folder = tmp_path / "qwen2"
+    save_tiny_hf_model("qwen2", folder)
+    grow = "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}{% set ns.l = ns.l + [[i] * 30000000] %}"
+    (folder / "chat_template.jinja").write_text(grow + "{% endfor %}" + GENERATION_PROMPT)
+    code = ("import resource, sys\nfrom nanorl.train import main\n"
+            "vm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize')) * 1024\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
+            "main(sys.argv[1:])")
+    argv = ["--model-path", str(folder), "--output-dir", str(tmp_path / "out"), *small_run(num_steps=1)]
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert f"{folder / 'chat_template.jinja'}: the chat template failed (out of memory)" in p.stderr, p.stderr[-900:]

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanorl.loss import NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, ratio_outside
-from nanorl.train import Config, Pass, backward_passes, step_normalizer
+from nanorl.config import Config
+from nanorl.step import Pass, Policy, backward_passes, step_normalizer
 from doubles import load_fixture_model, save_tiny_hf_model
 
 
@@ -139,10 +140,11 @@ def test_entropy_bonus_gradient_is_analytic(family, coef, tmp_path):
         targets[r, P - 1 + n :] = -1  # ragged completions
     for norm in ("token", "sequence"):
         cfg = Config(entropy_coef=coef, loss_norm=norm, logp="model")  # the formula is the full softmax's
-        normalizer = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
+        normalizer = step_normalizer(cfg.loss_norm, [targets], cfg.max_new_tokens, torch.device("cpu"))
         model.zero_grad()
         stats = backward_passes(
-            model, [Pass(inputs, targets, torch.arange(B), 0)], torch.zeros(B), cfg, normalizer, nullcontext()
+            Policy(model), [Pass(inputs, targets, torch.arange(B), 0)], torch.zeros(B), cfg.sampling(),
+            cfg.loss_settings(), normalizer
         )
         grad = model.lm_head.weight.grad[:V]
         mask = targets != -1

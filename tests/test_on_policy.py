@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from harness import ROOT, TORCHRUN, run_checked
 from doubles import FIXTURES, demo_sft, load_fixture_model, nanochat_tokenizer, save_tiny_hf_model, small_run
 from nanorl.engine import Engine
-from nanorl.speedups import packed_weights, shared_token_logp, use_fast_paths
-from nanorl.loss import pg_loss, token_logp, token_sum
+from nanorl.speedups import packed_weights, use_fast_paths
+from nanorl.loss import pg_loss, shared_token_logp, token_logp, token_sum
 from nanorl.model import Sampler
-from nanorl.rollout import Rollout, Sampling, collate, collate_logprobs, rollout, sample_seeds, score, trained_rows
+from nanorl.rollout import Rollout, Sampling, collate, collate_logprobs, rollout, sample_seeds, trained_rows
 from nanorl.tasks import Arithmetic
-from nanorl.train import Config, Pass, backward_passes, step_normalizer
+from nanorl.config import Config
+from nanorl.step import Pass, Policy, backward_passes, score, step_normalizer
 
 GAP = 1e-4  # the trainer's promise in float32 (see the module docstring)
 
@@ -141,10 +142,11 @@ def test_stop_token_logprob_moves_with_its_advantage(demo):
             seqs, masks, logps = trained_rows(only_stop, range(4), train_stop)
             inputs, targets = collate(seqs, masks, pad)
             cfg = Config(temperature=1.0, top_k=0, loss_norm="token", train_stop=train_stop)
-            norm = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
+            norm = step_normalizer(cfg.loss_norm, [targets], cfg.max_new_tokens, torch.device("cpu"))
             sampler_logp = collate_logprobs(logps) if train_stop else None
             passes = [Pass(inputs, targets, torch.arange(4), 0, sampler_logp)]
-            stats = backward_passes(m, passes, torch.full((4,), sign), cfg, norm, torch.autocast("cpu", enabled=False))
+            stats = backward_passes(Policy(m, autocast=torch.autocast("cpu", enabled=False)), passes, torch.full((4,), sign),
+                                    cfg.sampling(), cfg.loss_settings(), norm)
             if not train_stop:
                 assert stats["tokens"] == 0, "nanochat's rows: no stop token, nothing trained"
                 assert all(p.grad is None or p.grad.abs().max() == 0 for p in m.parameters())

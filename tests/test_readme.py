@@ -177,7 +177,7 @@ def test_demo_and_real_speak_train_flags():
     import argparse
     from nanorl.demo import demo_parser
     from nanorl.real import real_parser
-    from nanorl.train import build_parser
+    from nanorl.config import build_parser
 
     train = {a.dest: a for a in build_parser(every=True)._actions if a.help != argparse.SUPPRESS}
     own = {"help", "threads", "quick", "control"}  # the demo's and the real run's settings that no trainer has
@@ -201,7 +201,7 @@ def test_make_real(tmp_path):
     assert dry.returncode == 0, dry.stderr
     recipe = [l.split() for l in dry.stdout.splitlines() if "/python" in l]
     assert [w[1:3] for w in recipe] == [["-m", "pip"], ["bench/smollm2.py"], ["-m", "nanorl.real"]], dry.stdout
-    assert recipe[-1][3:] == []  # the recorded recipe, no flags
+    assert recipe[-1][3:] == ["--num-steps", "40", "--eval-examples", "64", "--threads", "2"]  # the recorded run
     save_tiny_hf_model("llama", tmp_path / "tiny")
     out = tmp_path / "run"
     args = ["--model-path", tmp_path / "tiny", "--num-steps", "1", "--eval-examples", "2", "--output-dir", out]
@@ -270,7 +270,7 @@ def test_gpu_setup(tmp_path):
 
 def test_course_map_lists_every_notebook():
     "The README's course table lists exactly the numbered notebooks, in order, each with the module it exports."
-    rows = re.findall(r"^\| `(\d\d_\w+)` \| `(\w+)` \|", README.read_text(), flags=re.M)
+    rows = re.findall(r"^\| `(\d\d[a-z]?_\w+)` \| `(\w+)` \|", README.read_text(), flags=re.M)
     assert [n for n, _ in rows] == sorted(n for n, _ in rows), "the course table is not in notebook order"
-    expected = sorted((f"{num:02d}_{mod}", mod) for mod, num in notebook_modules().items())
+    expected = sorted((f"{num:02d}{letter}_{mod}", mod) for mod, (num, letter) in notebook_modules().items())
     assert rows == expected, f"the README's course table lists {rows}, the notebooks are {expected}"

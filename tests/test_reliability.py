@@ -11,14 +11,13 @@ from harness import ENV, ROOT, TORCHRUN, check
 from rounding import STEP_ATOL
 from doubles import base_dir, records, checkpoints_of, small_run, weights
 from nanorl.checkpoint import CheckpointError, load_model
-from nanorl.rollout import Sampling
+from nanorl.rollout import Sampling, rollout
 from nanorl.checkpoint import check_writable, complete_steps
 from nanorl.train import (
     Config,
     NonFiniteError,
     main,
     make_tasks,
-    rollout,
     train,
     validate,
 )
@@ -290,10 +289,10 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, capsys):
 
 def test_rollout_oom_halves_then_restores(tmp_path, monkeypatch, one_step):
     "An OOM in the first engine call halves the rows per call, the next step doubles back; the update is unchanged."
-    import nanorl.train as T
+    import nanorl.step as S
     from nanorl.engine import Engine
 
-    real, real_rollout, calls, inside = Engine.generate_many, T.rollout, [], [False]
+    real, real_rollout, calls, inside = Engine.generate_many, S.rollout, [], [False]
 
     def flaky(self, prompts, num_samples=1, **kw):
         if inside[0]:  # rollouts only, not evaluation
@@ -310,7 +309,7 @@ def test_rollout_oom_halves_then_restores(tmp_path, monkeypatch, one_step):
             inside[0] = False
 
     monkeypatch.setattr(Engine, "generate_many", flaky)
-    monkeypatch.setattr(T, "rollout", tracked)
+    monkeypatch.setattr(S, "rollout", tracked)
     base = base_dir(tmp_path, "run")
     recs = train(run_config(base, num_steps=1, rollout_rows=8))
     assert calls == [8, 4, 4] and recs[0]["rollout_rows"] == 4
@@ -531,6 +530,30 @@ def test_tokenizer_without_pickle(tmp_path):
     text = "<|user_start|>What is 12 * 7?<|user_end|> Answer: 84"
     assert safe.get_vocab_size() == trusted.get_vocab_size()
     assert safe.encode(text) == trusted.encode(text) and safe.decode(trusted.encode(text)) == text
+
+
+def test_tokenizer_pickle_naming_an_encoding_is_refused_offline(tmp_path, monkeypatch):
+    "A tokenizer.pkl holding tiktoken's by-name form of an encoding: refused offline in one line, no download tried."
+    import pickle
+    import tiktoken
+    import tiktoken.registry
+    from nanorl.tokenizer import Tokenizer
+
+    base = base_dir(tmp_path, "named")
+    (base / "tokenizer" / "tokenizer.json").unlink(missing_ok=True)
+    enc = Tokenizer.from_directory(FIXTURE / "tokenizer").enc
+    with monkeypatch.context() as m:
+        m.setattr(tiktoken.Encoding, "__getstate__", lambda self: "gpt2")  # tiktoken's form for a registered encoding
+        (base / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(enc))
+
+    def download(name):
+        raise AssertionError(f"tried to download the tiktoken encoding {name!r}")
+    monkeypatch.setattr(tiktoken.registry, "get_encoding", download)      # no network: say it, should it be tried
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError) as e:
+        load_model("sft", "cpu", base_dir=base)
+    msg = str(e.value)
+    assert "tokenizer.pkl" in msg and "'gpt2'" in msg and "tried to download" not in msg, msg
 
 
 # ---------------------------------------------------------------- the calculator on arbitrary model text

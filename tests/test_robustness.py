@@ -2,21 +2,27 @@
 continues the run it names, numbers checked before any work, no broken checkpoint, checksums, and named errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from doubles import FIXTURES, save_tiny_hf_model
-from nanorl.checkpoint import CheckpointError, load_checkpoint, load_model, release_run_dir
+from nanorl.checkpoint import (CheckpointError, atomic_save, load_checkpoint, load_model, open_run_file,
+                               release_run_dir)
 from nanorl.demo import DEMO_MARK, claim_dir, record_files
 from nanorl.demo import main as demo_main
 from nanorl.real import main as real_main
 from nanorl.real import real_parser
-from nanorl.train import Config, NonFiniteError, main, sync_and_step, train, validate
+from nanorl.rewards import TaskView
+from nanorl.tasks import GSM8K
+from nanorl.step import Policy, update
+from nanorl.train import Config, NonFiniteError, main, train, validate
 
 DEMO_SFT = dict(device_type="cpu", model_tag="d3", task="arithmetic", examples_per_step=4, num_samples=4,
                 device_batch_size=4, max_new_tokens=32, temperature=1.0, top_k=0, eval_every=100, eval_examples=8,
@@ -75,6 +81,33 @@ def test_demo_replaces_only_its_own_files(tmp_path):
     claim_dir(out)
     assert sorted(p.name for p in out.rglob("*")) == sorted([DEMO_MARK, ".lock"])
     release_run_dir(out)
+
+
+@pytest.mark.parametrize("listed", ["../victim.txt", "absolute", "link/victim.txt"])
+def test_demo_deletes_nothing_outside_its_folder(tmp_path, listed):
+    "A mark listing `../victim`, an absolute path or a file behind a linked folder: one line naming it; nothing gone."
+    victim, out = tmp_path / "victim.txt", tmp_path / "demo"
+    victim.write_text("precious")
+    out.mkdir()
+    (out / "link").symlink_to(tmp_path)
+    name = str(victim) if listed == "absolute" else listed
+    (out / DEMO_MARK).write_text(json.dumps({"files": [name]}))
+    msg = run_main(["--output-dir", str(out), "--num-steps", "2"], demo_main)
+    assert f"{out / DEMO_MARK} lists {name!r}, which is not a file inside {out}" in msg and "\n" not in msg, msg
+    assert victim.read_text() == "precious" and not (out / ".lock").exists()
+
+
+@pytest.mark.parametrize("content, fragment", [("{oops", "not JSON"), ("[1, 2]", "found a JSON list"),
+                                               ('{"other": 1}', "found keys ['other']"),
+                                               ('{"files": "a.txt"}', "'files' lists names")])
+def test_demo_mark_that_is_not_its_own_is_named(tmp_path, content, fragment):
+    "A mark that is not JSON, a list, or lacks `files`: one line naming it, no traceback, the folder as it was."
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / DEMO_MARK).write_text(content)
+    msg = run_main(["--output-dir", str(out), "--num-steps", "2"], demo_main)
+    assert f"{out / DEMO_MARK} is not the demo's mark" in msg and fragment in msg and "\n" not in msg, msg
+    assert sorted(p.name for p in out.iterdir()) == [DEMO_MARK]
 
 
 def test_demo_threads_checked():
@@ -188,7 +221,7 @@ def test_update_that_breaks_the_weights_stops_before_saving():
         g["initial_lr"] = float("inf")
     lin(torch.ones(1, 3)).sum().backward()
     with pytest.raises(NonFiniteError, match="non-finite"):
-        sync_and_step(lin, opt, 1.0, world_size=1)
+        update(Policy(lin), opt)
 
 
 def test_failed_checkpoint_write_is_named(base, tmp_path, monkeypatch):
@@ -235,6 +268,34 @@ def test_gsm8k_bad_lines_named(tmp_path):
         assert str(d / "train.jsonl") in msg and why in msg, msg
         if why == "not JSON":
             assert "line 3" in msg
+
+
+def long_question_data(tmp_path):
+    "GSM8K files whose train split has one 5 MB question, on line 3 (after a blank line)."
+    good = (FIXTURES / "gsm8k" / "train.jsonl").read_text().splitlines()[:5]
+    row = json.loads(good[1])
+    row["question"] = "How many apples? " * 300_000
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    (d / "train.jsonl").write_text("\n".join([good[0], "", json.dumps(row), *good[2:]]) + "\n")
+    (d / "test.jsonl").write_text("\n".join(good) + "\n")
+    return d
+
+
+def test_gsm8k_problem_names_its_file_and_line(tmp_path):
+    d = long_question_data(tmp_path)
+    task = GSM8K(split="train", data_dir=d, seed=0)
+    i = next(i for i in range(len(task)) if len(task[i]["messages"][0]["content"]) > 10**6)
+    assert task.where(i) == f"{d / 'train.jsonl'}, line 3"
+    assert GSM8K.from_rows(task.rows, seed=None).where(2) == "rows, row 3"
+
+
+def test_one_overlong_question_is_named(base, tmp_path):
+    "A 5 MB question: the run names its file and line as too long, not '--max-new-tokens at most -N'."
+    d = long_question_data(tmp_path)
+    msg = run_main(flags(**{**DEMO_SFT, "task": "gsm8k", "eval_examples": 4}, data_dir=d, base_dir=base,
+                         output_dir=tmp_path / "o"))
+    assert f"{d / 'train.jsonl'}, line 3" in msg and "at most -" not in msg and "\n" not in msg, msg
 
 
 @pytest.mark.parametrize("task, fragment", [
@@ -318,3 +379,160 @@ def test_real_checks_numbers_and_offers_resume(tmp_path):
     assert "--num-steps must be >= 1" in msg
     assert "--threads must be >= 1" in run_main(["--model-path", str(hf), "--threads", "0"], real_main)
     assert "--resume" in [a.option_strings[0] for a in real_parser()._actions]
+
+
+# ---------------------------------------------------------------- 7. a run's files: never through a link, never half
+
+
+def test_lock_that_is_a_link_or_a_fifo_is_refused_by_name(base, tmp_path):
+    "A `.lock` that links to another file, or is a FIFO: one line naming it, and the linked file untouched."
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    d = out / "chatrl_checkpoints" / "d3"
+    d.mkdir(parents=True)
+    victim.write_text("precious\n")
+    (d / ".lock").symlink_to(victim)
+    msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=out))
+    assert f"{d / '.lock'} is a symbolic link" in msg and "\n" not in msg, msg
+    assert victim.read_text() == "precious\n" and not (d / "metrics.jsonl").exists()
+    (d / ".lock").unlink()
+    os.mkfifo(d / ".lock")
+    msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=out))
+    assert f"{d / '.lock'} is a FIFO" in msg and "\n" not in msg, msg
+
+
+def test_open_run_file_never_follows_a_link(tmp_path):
+    "Every mode refuses a link (its target untouched) and a FIFO (at once); a file is truncated or appended to."
+    victim, link, fifo, f = tmp_path / "victim", tmp_path / "link", tmp_path / "fifo", tmp_path / "f"
+    victim.write_text("precious\n")
+    link.symlink_to(victim)
+    os.mkfifo(fifo)
+    for mode in ("r", "w", "a", "a+", "wb"):
+        with pytest.raises(ValueError, match=f"{link} is a symbolic link"):
+            open_run_file(link, mode)
+        with pytest.raises(ValueError, match=f"{fifo} is a FIFO"):
+            open_run_file(fifo, mode)
+    assert victim.read_text() == "precious\n"
+    with open_run_file(f, "w") as h:
+        h.write("one\n")
+    with open_run_file(f, "a") as h:
+        h.write("two\n")
+    with open_run_file(f, "w") as h:
+        h.write("three\n")
+    with open_run_file(f) as h:
+        assert h.read() == "three\n"
+
+
+def test_metrics_file_that_is_a_link_is_refused(base, tmp_path):
+    "metrics.jsonl linking elsewhere: refused by name on a fresh run and on --resume; the linked file untouched."
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    d = out / "chatrl_checkpoints" / "d3"
+    d.mkdir(parents=True)
+    victim.write_text("precious\n")
+    (d / "metrics.jsonl").symlink_to(victim)
+    msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=out))
+    assert f"{d / 'metrics.jsonl'} is a symbolic link" in msg and victim.read_text() == "precious\n", msg
+    (d / "metrics.jsonl").unlink()
+    main(flags(**DEMO_SFT, base_dir=base, output_dir=out))
+    (d / "metrics.jsonl").unlink()
+    (d / "metrics.jsonl").symlink_to(victim)
+    msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=out, resume=True))
+    assert f"{d / 'metrics.jsonl'} is a symbolic link" in msg and victim.read_text() == "precious\n", msg
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    "A real tmpfs of 16 MiB (mounting needs root; skipped where it cannot be mounted)."
+    d = tmp_path / "disk"
+    d.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no `mount` command here to make a size-limited tmpfs")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(d)], capture_output=True, text=True)
+    if p.returncode:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {p.stderr.strip() or 'mount failed'}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def fill_disk(path, leave=100_000):
+    "Fill the disk under `path` to `leave` free bytes with one file."
+    st = os.statvfs(path)
+    with open(Path(path) / "filler", "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+
+
+class DiskFiller(TaskView):
+    "The demo's problems; the first reward fills the disk of the run's output folder (another program's big file)."
+    where = None
+
+    def reward(self, conversation, completion):
+        if DiskFiller.where is not None:
+            fill_disk(DiskFiller.where)
+            DiskFiller.where = None
+        return self.task.reward(conversation, completion)
+
+
+def filling_tasks(cfg):
+    from nanorl.train import make_tasks
+    train_task, held_out = make_tasks(Config(**{**vars(cfg), "task": "arithmetic"}))
+    return DiskFiller(train_task), held_out
+
+
+def test_full_disk_at_a_checkpoint_is_named_and_leaves_nothing_half_written(base, small_disk):
+    "A real full disk once the run is under way: the step, folder and file named in one line; no temporary file."
+    DiskFiller.where = small_disk
+    msg = run_main(flags(**{**DEMO_SFT, "task": "test_robustness:filling_tasks"}, base_dir=base,
+                         output_dir=small_disk))
+    assert "writing the checkpoint of step 1" in msg and "No space left on device" in msg, msg
+    assert ".pt'" in msg and "starts afresh" in msg and "\n" not in msg, msg
+    d = small_disk / "chatrl_checkpoints" / "d3"
+    assert not [p.name for p in d.iterdir() if ".tmp" in p.name]
+    (small_disk / "filler").unlink()
+    target = d / "model_000001.pt"
+    atomic_save({"w": torch.ones(3)}, target)
+    fill_disk(small_disk, leave=0)
+    with pytest.raises(OSError, match=f"No space left on device: '{target}'"):
+        atomic_save({"w": torch.zeros(1_000_000)}, target)         # torch's RuntimeError, turned into this
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(3))
+    assert not [p.name for p in d.iterdir() if ".tmp" in p.name]
+
+
+def test_temporary_file_of_a_killed_save_is_removed(base, tmp_path):
+    "A save killed mid-write (SIGKILL) leaves its temporary file; the next run on the directory removes it."
+    cfg = Config(**{**DEMO_SFT, "base_dir": str(base), "output_dir": str(tmp_path / "out")})
+    train(cfg)
+    d = tmp_path / "out" / "chatrl_checkpoints" / "d3"
+    code = ("import time\nfrom nanorl.checkpoint import atomic_save\n"
+            "class Stall:\n    def __reduce__(self):\n        print('writing', flush=True)\n        time.sleep(120)\n"
+            f"atomic_save({{'w': Stall()}}, {str(d / 'model_000002.pt')!r})")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "writing"
+    p.kill()
+    p.wait()
+    left = [f.name for f in d.iterdir() if ".tmp" in f.name]
+    assert left == [f".model_000002.pt.tmp{p.pid}"]
+    with pytest.warns(UserWarning, match=f"interrupted save left in {d}: {left[0]}"):
+        train(Config(**{**vars(cfg), "resume": True}))
+    assert not [f.name for f in d.iterdir() if ".tmp" in f.name]
+
+
+# ---------------------------------------------------------------- 8. a step without its manifest is damage
+
+
+def test_missing_manifest_is_damage_in_a_run_that_writes_them(base, tmp_path):
+    "Step 2's manifest deleted and its model swapped: loading and resuming warn and fall back to step 1."
+    out = tmp_path / "out"
+    cfg = Config(**{**DEMO_SFT, "base_dir": str(base), "output_dir": str(out), "num_steps": 3})
+    train(cfg)
+    d = out / "chatrl_checkpoints" / "d3"
+    shutil.copytree(base / "tokenizer", out / "tokenizer")
+    (d / "manifest_000002_rank0.json").unlink()
+    shutil.copy(d / "model_000001.pt", d / "model_000002.pt")       # another step's weights under step 2's name
+    with pytest.warns(UserWarning, match="manifest_000002_rank0.json is missing"):
+        _, _, meta = load_model(d, "cpu")
+    assert meta["nanorl"]["step"] == 1
+    with pytest.warns(UserWarning, match="cannot resume from step 2.*manifest_000002_rank0.json is missing"):
+        records = train(Config(**{**vars(cfg), "resume": True}))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    (d / "manifest_000001_rank0.json").write_text(json.dumps({"sha256": ["model_000001.pt"]}))
+    msg = run_main(flags(**DEMO_SFT, source="rl", model_step=1, base_dir=out, output_dir=tmp_path / "o2"))
+    assert f"{d / 'manifest_000001_rank0.json'}" in msg and "'sha256' as a list" in msg and "\n" not in msg, msg

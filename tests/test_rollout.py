@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nanorl.rollout import problem_seed
-from nanorl.rollout import Rollout, collate, halve_after_oom, microbatches, sample_seeds, score
+from nanorl.rollout import Rollout, collate, halve_after_oom, microbatches, sample_seeds
+from nanorl.step import score
 
 
 def test_sample_seeds_use_the_evaluation_mixer():
@@ -50,7 +51,7 @@ def test_score_with_shaping_judges_each_completion_once():
         prompts[1] + [ord(c) for c in s] for s in ("ok", "ok")
     ]
     batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], tool_calls=0, rows_per_call=4)
-    s = score(tok, task, [0, 1], batch, num_samples=2)
+    s = score(tok, task, [0, 1], batch)
     assert task.judged == 4
     assert s.rewards.tolist() == [1.5, 0.0, 1.5, 1.5]
     assert s.terms == {"correct": 3.0, "format": 1.5}

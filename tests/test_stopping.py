@@ -8,7 +8,8 @@ import torch
 
 from doubles import FIXTURES, SMALL_RUN, base_dir
 from nanorl.evaluate import PassAtK
-from nanorl.rollout import Rollout, score
+from nanorl.rollout import Rollout
+from nanorl.step import LossSettings, score
 from nanorl.train import Config, lr_multiplier, main, train, validate
 
 DEMO_SFT = dict(device_type="cpu", base_dir=str(FIXTURES / "demo_sft"), model_tag="d3", task="arithmetic",
@@ -51,7 +52,7 @@ class CharDecoder:
 @pytest.mark.parametrize("policy", ["keep", "mask", "zero"])
 def test_score_truncation_policy(policy):
     "zero: a cut reply earns 0 and the group's advantages follow; keep and mask: rewards as the task gave them."
-    s = score(CharDecoder(), AllRight(), [0, 1], cut_batch(), 2, "mean", max_new_tokens=3, truncated=policy)
+    s = score(CharDecoder(), AllRight(), [0, 1], cut_batch(), LossSettings(truncated=policy), max_new_tokens=3)
     assert s.truncated.tolist() == [True, False, False, True]
     if policy == "zero":
         assert s.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nanorl.checkpoint as C
+import nanorl.step as S
 import nanorl.train as T
 from harness import ROOT, TORCHRUN, run_checked
 from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
@@ -180,8 +181,8 @@ def baseline(tmp_path_factory):
 )
 def test_option_trains(tmp_path, monkeypatch, baseline, option):
     "Each variant trains on the same samples (finite loss and gradient, weights move) through its own code path."
-    kinds, real_normalizer = [], T.loss_normalizer
-    monkeypatch.setattr(T, "loss_normalizer", lambda kind, **kw: kinds.append(kind) or real_normalizer(kind, **kw))
+    kinds, real_normalizer = [], S.loss_normalizer
+    monkeypatch.setattr(S, "loss_normalizer", lambda kind, **kw: kinds.append(kind) or real_normalizer(kind, **kw))
     base = base_dir(tmp_path, "run")
     recs = train(step_config(base, **option))
     assert all(

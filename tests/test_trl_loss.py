@@ -32,7 +32,8 @@ from nanorl.engine import Engine
 from nanorl.llama import ChatTokenizer, load_llama
 from nanorl.loss import pg_loss, token_logp
 from nanorl.rollout import collate
-from nanorl.train import Config, Pass, backward_passes, step_normalizer
+from nanorl.config import Config
+from nanorl.step import Pass, Policy, backward_passes, step_normalizer
 
 GROUPS, GROUP_SIZE, MAX_NEW = 2, 4, 12  # 2 prompts x 4 samples, completions of at most 12 tokens
 CUT = [12, 3, 7, 12, 5, 9, 1, 12]  # each row's completion is cut to this length: the passes differ in tokens
@@ -71,10 +72,10 @@ def nanorl_step(batch, kind, old_from=None):
         masks = [[0] * len(batch["rows"][r][0]) + [1] * len(batch["rows"][r][1]) for r in rows]
         passes.append((rows, *collate(seqs, masks, batch["pad"])))
     cfg = Config(loss_norm=kind, max_new_tokens=MAX_NEW, top_k=0)  # TRL: log_softmax(logits / T), every token
-    norm = step_normalizer(cfg, [t for _, _, t in passes], torch.device("cpu"), 1)
+    norm = step_normalizer(cfg.loss_norm, [t for _, _, t in passes], cfg.max_new_tokens, torch.device("cpu"))
     if old_from is None:  # the trainer's own passes
         step = [Pass(inputs, targets, torch.tensor(rows), 0) for rows, inputs, targets in passes]
-        total = backward_passes(model, step, batch["advantages"], cfg, norm, nullcontext())["loss"]
+        total = backward_passes(Policy(model), step, batch["advantages"], cfg.sampling(), cfg.loss_settings(), norm)["loss"]
         return total, {n: p.grad.clone() for n, p in model.named_parameters()}
     total = 0.0
     for rows, inputs, targets in passes:  # the ratio form, which the trainer never needs (its samples are fresh)

@@ -19,8 +19,8 @@ from nanorl.loss import token_logp
 from nanorl.model import Sampler
 from nanorl.rollout import Sampling, collate, collate_logprobs, rollout, sample_seeds, trained_rows
 from nanorl.tasks import Arithmetic
-from nanorl.train import (Config, Pass, Trainer, backward_passes, config_from_args, main, step_normalizer, train,
-                          validate)
+from nanorl.step import Pass, Policy, backward_passes, step_normalizer
+from nanorl.train import Config, Trainer, config_from_args, main, train, validate
 from nanorl.vllm_engine import import_vllm, rollout_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,10 +82,11 @@ def test_is_correction_weights_reach_the_gradient(demo_batch, mode):
     other, shifts = shifted(sampled, targets)
     mask, adv, cap = targets != -1, torch.tensor([1.0, -0.5, 0.25, -0.75]), 1.2
     cfg = Config(temperature=1.0, top_k=0, loss_norm="token", is_correction=mode, is_cap=cap)
-    norm = step_normalizer(cfg, [targets], torch.device("cpu"), 1)
+    norm = step_normalizer(cfg.loss_norm, [targets], cfg.max_new_tokens, torch.device("cpu"))
     model.zero_grad(set_to_none=True)
-    stats = backward_passes(model, [Pass(inputs, targets, torch.arange(4), 0, other)], adv, cfg, norm,
-                            torch.autocast("cpu", enabled=False))
+    stats = backward_passes(Policy(model, autocast=torch.autocast("cpu", enabled=False)),
+                            [Pass(inputs, targets, torch.arange(4), 0, other)], adv, cfg.sampling(), cfg.loss_settings(),
+                            norm)
     ours = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
     assert stats["outside"] == (shifts.abs() == 0.5)[mask].sum().item()  # ratios 1.65 and 0.61 leave [0.9, 1.1]
     model.zero_grad(set_to_none=True)  # the same loss written out: -sum(weight * advantage * logp) / tokens

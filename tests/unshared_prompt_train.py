@@ -2,10 +2,11 @@
 
 import sys
 
+import nanorl.step as S
 import nanorl.train as T
 from nanorl.loss import token_logp
 
-T.shared_token_logp = token_logp  # the plain path, as --fsdp runs its passes
+S.shared_token_logp = token_logp  # the plain path: every row runs its own prompt
 
 if __name__ == "__main__":
     T.main(sys.argv[1:])
