@@ -14,16 +14,17 @@ from .llama import (SAFETENSORS_FILE, SAFETENSORS_INDEX, ChatTokenizer, load_lla
                           safetensors_files)
 
 # %% auto #0
-__all__ = ['SOURCES', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'LEFTOVER', 'STEERING', 'CheckpointError', 'get_base_dir',
-           'checkpoint_steps', 'find_last_step', 'find_largest_model', 'detect_generation', 'read_state_dict',
-           'read_meta', 'config_from_meta', 'file_sha256', 'manifest_path', 'write_manifest', 'read_manifest',
-           'verify_files', 'build_model', 'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps',
-           'is_hf_folder', 'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model', 'open_run_file',
-           'raise_write_error', 'atomic_save', 'nanochat_meta', 'save_run_state', 'save_checkpoint', 'load_checkpoint',
-           'load_resume_state', 'ties_embeddings', 'hf_state_dict', 'shard_state', 'write_safetensors',
-           'config_with_dtype', 'save_hf_checkpoint', 'read_hf_state', 'save_hf_step', 'run_dir', 'check_writable',
-           'lock_run_dir', 'remove_leftovers', 'release_run_dir', 'claim_run_dir', 'check_room', 'elastic_restarts',
-           'complete_steps', 'ranks_hint', 'load_resume_point', 'written_steps', 'resume_point', 'check_same_run']
+__all__ = ['SOURCES', 'ANY_CONTEXT', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BYTES', 'LEFTOVER', 'STEERING', 'CheckpointError',
+           'get_base_dir', 'checkpoint_steps', 'find_last_step', 'find_largest_model', 'detect_generation',
+           'read_state_dict', 'read_meta', 'config_from_meta', 'file_sha256', 'manifest_path', 'write_manifest',
+           'read_manifest', 'verify_files', 'build_model', 'resolve_checkpoint_dir', 'hf_step_dir',
+           'hf_checkpoint_steps', 'is_hf_folder', 'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model',
+           'open_run_file', 'raise_write_error', 'atomic_save', 'nanochat_meta', 'save_run_state', 'save_checkpoint',
+           'load_checkpoint', 'load_resume_state', 'ties_embeddings', 'hf_state_dict', 'shard_state',
+           'write_safetensors', 'config_with_dtype', 'save_hf_checkpoint', 'read_hf_state', 'save_hf_step', 'run_dir',
+           'check_writable', 'lock_run_dir', 'remove_leftovers', 'release_run_dir', 'claim_run_dir', 'check_room',
+           'elastic_restarts', 'complete_steps', 'ranks_hint', 'load_resume_point', 'written_steps', 'resume_point',
+           'describe_changes', 'check_same_run']
 
 # %% ../nbs/04_checkpoint.ipynb #7c27b53e
 SOURCES = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -106,15 +107,26 @@ def read_meta(checkpoint_dir, step) -> dict:
         raise CheckpointError(f"expected a 'model_config' dict in {path}, found keys {found}")
     return meta
 
-def config_from_meta(meta, generation) -> GPTConfig:
-    "GPTConfig from nanochat's `model_config` (a missing window_pattern means 'L', as nanochat patches it)."
+ANY_CONTEXT = 65536   # positions a meta's sequence_len may name whatever the size of the weights
+
+def config_from_meta(meta, generation, weights: int | None = None) -> GPTConfig:
+    "GPTConfig from nanochat's `model_config` ('L' if no window_pattern); sequence_len checked against `weights`."
     cfg = {k: v for k, v in meta["model_config"].items() if k in NANOCHAT_CONFIG_KEYS}
     cfg.setdefault("window_pattern", "L")
     wrong = {k: v for k, v in cfg.items() if k != "window_pattern" and (type(v) is not int or v < 1)}
     if wrong or not isinstance(cfg["window_pattern"], str):
         raise CheckpointError(f"expected positive integers (and a window_pattern string) in the meta's model_config, "
                               f"found {wrong or {'window_pattern': cfg['window_pattern']}}")
-    return GPTConfig(**cfg, generation=generation)
+    try:
+        config = GPTConfig(**cfg, generation=generation)
+    except ValueError as e:
+        raise CheckpointError(f"the meta's model_config makes no model: {e}") from e
+    longest = max(ANY_CONTEXT, (weights or 0) // (10 * config.head_dim))   # the rotary tables: 10 x head_dim a position
+    if weights is not None and config.sequence_len > longest:
+        raise CheckpointError(f"the meta's sequence_len {config.sequence_len} asks for rotary tables of "
+                              f"{10 * config.sequence_len * config.head_dim:.3g} numbers, more than the {weights:.3g} "
+                              f"of the weights themselves; expected sequence_len <= {longest}: fix it in the meta")
+    return config
 
 # %% ../nbs/04_checkpoint.ipynb #523d04a0
 def file_sha256(path) -> str:
@@ -181,7 +193,7 @@ def build_model(checkpoint_dir, step, device, phase="eval", generation=None):
     state = read_state_dict(Path(checkpoint_dir) / f"model_{step:06d}.pt", device)
     generation = generation or detect_generation(state)
     try:
-        config = config_from_meta(meta, generation)
+        config = config_from_meta(meta, generation, sum(t.numel() for t in state.values()))
     except CheckpointError as e:
         raise CheckpointError(f"{Path(checkpoint_dir) / f'meta_{step:06d}.json'}: {e}") from e
     with torch.device("meta"):
@@ -755,13 +767,23 @@ STEERING = ("model_tag", "model_step", "source", "model_path", "task", "seed", "
             "examples_per_step", "num_samples", "device_batch_size", "max_new_tokens", "temperature", "top_k",
             "embedding_lr", "unembedding_lr", "matrix_lr", "lr", "weight_decay", "init_lr_frac", "advantage",
             "loss_norm", "skip_zero_signal", "logp", "train_stop", "kl_coef", "entropy_coef", "lr_schedule",
-            "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap")
+            "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap",
+            "data_dir", "data_sha256")   # the data the task read: its folder, {file: sha256} (`16_train`)
+
+def describe_changes(changed: dict) -> str:
+    "Changed settings as messages list them: `--flag old -> new`, and each data file that is new, gone or changed."
+    def one(k, a, b):
+        if k != "data_sha256":
+            return f"--{k.replace('_', '-')} {a} -> {b}"
+        a, b = a or {}, b or {}
+        return ", ".join(f"data file {f} {'new' if f not in a else 'gone' if f not in b else 'changed'}"
+                         for f in sorted({*a, *b}) if a.get(f) != b.get(f))
+    return ", ".join(one(k, a, b) for k, (a, b) in changed.items())
 
 def check_same_run(saved: dict, now: dict, allow: bool = False) -> dict:
     "The steering settings that differ, {name: (saved, now)}; a ValueError naming them unless `allow`."
     changed = {k: (saved[k], now.get(k)) for k in STEERING if k in saved and saved[k] != now.get(k)}
     if changed and not allow:
-        listed = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items())
-        raise ValueError(f"--resume continues a run with other settings: {listed}. Give the run's own values, or "
-                         "pass --allow-changes to continue with the new ones")
+        raise ValueError(f"--resume continues a run with other settings: {describe_changes(changed)}. Give the run's "
+                         "own values and data, or pass --allow-changes to continue with the new ones")
     return changed

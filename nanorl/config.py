@@ -17,8 +17,8 @@ from .vllm_engine import ENGINES, check_engine_settings
 from .step import TRUNCATION, LossSettings
 
 # %% auto #0
-__all__ = ['PRESETS', 'FLAG_GROUPS', 'ADVANCED', 'Config', 'resolve_preset', 'check_rates', 'validate', 'config_help',
-           'build_parser', 'add_config_flag', 'config_from_args']
+__all__ = ['PRESETS', 'MAX_RATE', 'MIN_TEMPERATURE', 'DIST_TIMEOUT_MIN', 'FLAG_GROUPS', 'ADVANCED', 'Config', 'resolve_preset',
+           'check_rates', 'validate', 'config_help', 'build_parser', 'add_config_flag', 'config_from_args']
 
 # %% ../nbs/15b_config.ipynb #f0f05244
 def _flag(default, help):
@@ -53,7 +53,7 @@ class Config:
     base_dir: str | None = _flag(None, "nanochat base directory (default $NANOCHAT_BASE_DIR, else ~/.cache/nanochat)")
     source: str = _flag("sft", "checkpoint family to start from: sft or rl")
     model_path: str | None = _flag(None, "a Hugging Face folder (Llama, Qwen2, Qwen3) to start from, not --source")
-    lr: float = _flag(1e-6, "AdamW learning rate of a --model-path model (nanochat models: the rates above)")
+    lr: float = _flag(1e-6, "AdamW learning rate of a --model-path model (nanochat models: --matrix-lr and the others)")
     output_dir: str | None = _flag(None, "where chatrl_checkpoints/<tag>/ is written (default: the base directory)")
     task: str = _flag("gsm8k", "gsm8k, countdown, arithmetic (the demo's) or module:factory of (train, held-out)")
     data_dir: str | None = _flag(None, "local GSM8K or Countdown files (default: the Hub, generated problems)")
@@ -134,16 +134,26 @@ _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new
                              "save_every", "rollout_rows", "max_bad_steps", "num_epochs", "num_steps", "eval_samples",
                              "eval_max_new_tokens"), 1),
             "num_samples": 2, "temperature": 0, "top_k": 0, "kl_coef": 0, "entropy_coef": 0,
-            "warmup_steps": 0}   # None: the default
+            "warmup_steps": 0, "model_step": 0}   # None: the default
 _WHY = {"num_samples": ": the advantage compares samples within a group", "top_k": " (0: the whole vocabulary)"}
 
+MAX_RATE = 10.0   # an Adam or Muon step moves a weight by about its rate: far above 1, it only wrecks the weights
+MIN_TEMPERATURE = 1 / (24 * math.log(2))   # below: exp(-1/T) < 2^-24, the resolution of the sampler's random draws
+DIST_TIMEOUT_MIN = (1 / 60, 14_400)        # a second to ten days
+
 def check_rates(cfg: Config):
-    "Learning rates and weight decay >= 0; a ValueError naming every negative one, a warning for a frozen group."
+    "Rates and weight decay >= 0, rates as applied <= MAX_RATE; a ValueError naming each bad one; frozen: a warning."
     rates = ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay")
     negative = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in rates if getattr(cfg, n) < 0]
     if negative:
         raise ValueError(f"learning rates and weight decay must be >= 0 (a negative rate climbs the loss), got "
                          + ", ".join(negative))
+    applied = {f"--{n.replace('_', '-')} {getattr(cfg, n)} x --init-lr-frac {cfg.init_lr_frac}":
+               getattr(cfg, n) * cfg.init_lr_frac for n in rates[:3]} | {f"--lr {cfg.lr}": cfg.lr}
+    high = [f"{k} = {v:.3g}" for k, v in applied.items() if not v <= MAX_RATE]   # an overflow to inf too
+    if high:
+        raise ValueError(f"learning rates as applied must be at most {MAX_RATE:g} (a step moves each weight by about "
+                         f"its rate), got {', '.join(high)}; lower them")
     frozen = [f"--{n.replace('_', '-')}" for n in rates[:3] if getattr(cfg, n) == 0 and not cfg.model_path]
     if frozen:
         warnings.warn(f"{', '.join(frozen)} 0: those weights stay frozen")
@@ -164,6 +174,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for name in ("lr", "dist_timeout_min", "is_cap", "init_lr_frac"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{flag(name)} must be > 0, got {getattr(cfg, name)}")
+    if not DIST_TIMEOUT_MIN[0] <= cfg.dist_timeout_min <= DIST_TIMEOUT_MIN[1]:
+        raise ValueError(f"--dist-timeout-min must be between 1/60 (a second) and {DIST_TIMEOUT_MIN[1]} (ten days), "
+                         f"got {cfg.dist_timeout_min}")
     check_rates(cfg)
     if cfg.skip_zero_signal and (cfg.kl_coef or cfg.entropy_coef):
         warnings.warn("--skip-zero-signal also drops the KL and entropy terms of the groups it skips: the update "
@@ -173,11 +186,22 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ValueError(f"--device-batch-size {cfg.device_batch_size} must divide --num-samples {cfg.num_samples} "
                          "(or be at least it): a pass holds rows of one group, and passes of unequal size would weigh "
                          f"their rows unequally; try --device-batch-size {fit}")
-    if cfg.task not in ("gsm8k", "countdown", "arithmetic") and cfg.task.count(":") != 1:
-        raise ValueError(f"--task must be gsm8k, countdown, arithmetic or module:factory, got {cfg.task!r}")
+    module, _, name = cfg.task.partition(":")
+    named = all(p.isidentifier() for p in module.split(".")) and name.isidentifier()   # a module path, then a name
+    if cfg.task not in ("gsm8k", "countdown", "arithmetic") and not (named and cfg.task.count(":") == 1):
+        raise ValueError(f"--task must be gsm8k, countdown, arithmetic or module:factory (a module's dotted path, a "
+                         f"name in it), got {cfg.task!r}")
     if cfg.temperature == 0:
         raise ValueError("--temperature 0 makes all samples of a group identical, so every advantage is 0; "
                          "use a temperature > 0")
+    if cfg.temperature < MIN_TEMPERATURE:
+        raise ValueError(f"--temperature {cfg.temperature} draws a token even one logit below the likeliest with "
+                         f"probability exp(-1/T) < 2^-24, the resolution of the sampler's random draws: the samples of "
+                         f"a group are greedy, so every advantage is 0; use a temperature above 1 / (24 ln 2) = "
+                         f"{MIN_TEMPERATURE:.4f}")
+    if cfg.top_k == 1:
+        raise ValueError("--top-k 1 keeps only the likeliest token, so all samples of a group are identical and every "
+                         "advantage is 0; use --top-k 0 (the whole vocabulary) or >= 2")
     if cfg.model_path is not None and cfg.model_step is not None:
         raise ValueError("--model-step picks a nanochat checkpoint; with --model-path, point it at the folder to start "
                          "from (an RL run's step_<N> folder is one)")

@@ -22,7 +22,8 @@ from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
 from .checkpoint import lock_run_dir, open_run_file, release_run_dir
-from .train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, PRESETS, Config, add_config_flag, make_tasks, train
+from .train import (ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, PRESETS, Config, NonFiniteError, add_config_flag,
+                          make_tasks, train)
 
 # %% auto #0
 __all__ = ['DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',
@@ -71,6 +72,8 @@ class DemoConfig:
             raise ValueError(f"rl_steps must be >= 2 (one measurement before RL, one after), got {self.rl_steps}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: $OMP_NUM_THREADS, else 1), got {self.threads}")
+        if not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), torch's range of seeds, got {self.seed}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         if not 0 < self.sft_target <= 1:
@@ -226,6 +229,11 @@ def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
 def set_threads(threads: int = 0) -> int:
     "Use `threads` torch CPU threads (0: $OMP_NUM_THREADS if set, else 1); returns the number."
     n = threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if n > max(64, 4 * cpus):                       # torch would try to allocate a pool that size, and could abort
+        where = f"--threads {n}" if threads else f"$OMP_NUM_THREADS {n}"
+        raise ValueError(f"{where} is far more than the {cpus} CPUs this process may use; use at most "
+                         f"{max(64, 4 * cpus)} (64, or 4 per CPU)")
     torch.set_num_threads(n)
     return n
 
@@ -371,7 +379,7 @@ def main(argv=None):
         dc = DemoConfig(out_dir=args.output_dir, seed=args.seed, threads=args.threads, train_stop=args.train_stop)
         dc = replace(dc.quick() if args.quick else dc, **{} if args.num_steps is None else {"rl_steps": args.num_steps})
         s = run_demo(dc)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, NonFiniteError) as e:
         sys.exit(f"nanorl.demo: error: {e}")
     times = ", ".join(f"{k} {v:.0f}s" for k, v in s["time"].items())
     tqdm.write(f"{s['params']:,} parameters, vocabulary {s['vocab_size']}, {len(s['sft'])} SFT steps, "

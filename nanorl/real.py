@@ -126,6 +126,9 @@ def real_parser() -> argparse.ArgumentParser:
         add_config_flag(p, name, None, config_help(name, RECIPE.get(name, getattr(Config(), name))))
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     add_config_flag(p, "resume", False, "continue the run in --output-dir from its last checkpoint")
+    add_config_flag(p, "allow_changes", False, config_help("allow_changes", False))
+    add_config_flag(p, "model_tag", None, f"the run's folder, <output-dir>/chatrl_checkpoints/<tag> (default: "
+                                          f"{RECIPE['model_tag']})")
     return p
 
 def main(argv=None):

@@ -22,11 +22,12 @@ _all_ = ["ANSWER_MARKER_RE", "COUNTDOWN_CHARS", "NANOCHAT_ANSWER_RE", "TASK_PROT
 
 # %% auto #0
 __all__ = ['CALC_RE', 'GSM8K_DIR_ENV', 'COUNTDOWN_SYSTEM', 'COUNTDOWN_HUB', 'answer_to_parts', 'gsm8k_conversation', 'check_row',
-           'find_local_gsm8k', 'read_jsonl', 'load_gsm8k_rows', 'GSM8K', 'Difficulty', 'Arithmetic', 'CountdownShaping',
-           'countdown_prompt', 'countdown_split', 'random_countdown', 'check_countdown_row', 'read_countdown_rows',
-           'load_countdown_hub', 'Countdown', 'ANSWER_MARKER_RE', 'COUNTDOWN_CHARS', 'NANOCHAT_ANSWER_RE',
-           'TASK_PROTOCOL', 'RewardShaping', 'Solved', 'Task', 'TaskView', 'as_task', 'canonical_number',
-           'conversation_text', 'countdown_reward', 'extract_answer', 'last_tagged', 'reference_answer']
+           'find_local_gsm8k', 'read_jsonl', 'local_gsm8k', 'load_gsm8k_rows', 'GSM8K', 'Difficulty', 'Arithmetic',
+           'CountdownShaping', 'countdown_prompt', 'countdown_split', 'random_countdown', 'check_countdown_row',
+           'countdown_files', 'read_countdown_rows', 'load_countdown_hub', 'Countdown', 'ANSWER_MARKER_RE',
+           'COUNTDOWN_CHARS', 'NANOCHAT_ANSWER_RE', 'TASK_PROTOCOL', 'RewardShaping', 'Solved', 'Task', 'TaskView',
+           'as_task', 'canonical_number', 'conversation_text', 'countdown_reward', 'extract_answer', 'last_tagged',
+           'reference_answer']
 
 # %% ../nbs/08_tasks.ipynb #db83bf24
 CALC_RE = re.compile(r"(<<[^>]+>>)")  # GSM8K's calculator annotation; the group keeps it in re.split's output
@@ -147,21 +148,26 @@ def _offline_help(subset, split) -> str:
             f"or go online once.")
 
 # %% ../nbs/08_tasks.ipynb #bb89469e
-def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None, base_dir=None) -> tuple[list[dict], str]:
-    "GSM8K rows in file order, and where they came from: local files, nanochat's cache under `base_dir`, or the Hub."
-    if subset not in ("main", "socratic"):
-        raise ValueError(f"GSM8K subset must be 'main' or 'socratic', got {subset!r}")
-    if split not in ("train", "test"):
-        raise ValueError(f"GSM8K split must be 'train' or 'test', got {split!r}")
+def local_gsm8k(subset: str = "main", split: str = "train", data_dir=None, base_dir=None):
+    "(kind, [files or folder]) that `load_gsm8k_rows` reads: under data_dir, $NANORL_GSM8K_DIR or base_dir; None: Hub."
     data_dir = data_dir or os.environ.get(GSM8K_DIR_ENV) or None
     if data_dir is not None:
         found = find_local_gsm8k(data_dir, subset, split)
         if found is None:
             tried = "\n  ".join(str(p) for _, p in _local_candidates(Path(data_dir).expanduser(), subset, split))
             raise ValueError(f"no GSM8K {subset}/{split} files under {data_dir}; looked for:\n  {tried}")
-        return _read_rows(*found), str(found[1][0])
+        return found
     found = find_local_gsm8k(get_base_dir(base_dir), subset, split)
-    if found is not None and found[0] == "parquet":
+    return found if found is not None and found[0] == "parquet" else None
+
+def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None, base_dir=None) -> tuple[list[dict], str]:
+    "GSM8K rows in file order, and where they came from: local files, nanochat's cache under `base_dir`, or the Hub."
+    if subset not in ("main", "socratic"):
+        raise ValueError(f"GSM8K subset must be 'main' or 'socratic', got {subset!r}")
+    if split not in ("train", "test"):
+        raise ValueError(f"GSM8K split must be 'train' or 'test', got {split!r}")
+    found = local_gsm8k(subset, split, data_dir, base_dir)
+    if found is not None:
         return _read_rows(*found), str(found[1][0])
     if _hub_offline() and not _hub_cache_has_gsm8k():
         raise RuntimeError(_offline_help(subset, split))
@@ -181,6 +187,9 @@ class GSM8K(Task):
         super().__init__(**kwargs)
         rows, source = load_gsm8k_rows(subset, split, data_dir, base_dir)
         self._use_rows(rows, source, subset, split, seed, strict)
+        local = None if source.startswith("hub:") else local_gsm8k(subset, split, data_dir, base_dir)
+        paths = local[1] if local else []                # the local files read; a saved dataset: each file of it
+        self.files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
 
     @classmethod
     def from_rows(cls, rows: list[dict], subset: str = "main", split: str = "train", seed: int | None = 42,
@@ -189,6 +198,7 @@ class GSM8K(Task):
         task = cls.__new__(cls)
         super(GSM8K, task).__init__(**kwargs)  # what __init__ does, without the loading
         task._use_rows(rows, "rows", subset, split, seed, strict)
+        task.files = []
         return task
 
     def _use_rows(self, rows, source, subset, split, seed, strict):
@@ -399,13 +409,17 @@ def check_countdown_row(row, where: str) -> dict:
         out["solution"] = solution
     return out
 
-def read_countdown_rows(path) -> list[dict]:
-    "Countdown rows from a .jsonl or .parquet file, or every such file in a folder; errors name the file and row."
+def countdown_files(path) -> list[Path]:
+    "The files `read_countdown_rows` reads: `path` itself, or every .jsonl and .parquet file in the folder `path`."
     path = Path(path)
     files = sorted(f for f in path.iterdir() if f.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
     if not path.exists() or not files:
         raise ValueError(f"{path}: no Countdown .jsonl or .parquet file there")
-    rows = []
+    return files
+
+def read_countdown_rows(path) -> list[dict]:
+    "Countdown rows from a .jsonl or .parquet file, or every such file in a folder; errors name the file and row."
+    files, rows = countdown_files(path), []
     for f in files:
         if f.suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -448,6 +462,7 @@ class Countdown(Task):
             rows, self.source = [check_countdown_row(r, f"rows[{i}]") for i, r in enumerate(source)], "rows"
         else:
             rows, self.source = None, "generated"
+        self.files = countdown_files(source) if isinstance(source, (str, Path)) and source != "hub" else []
         keep = lambda r: split == "all" or countdown_split(r["nums"], r["target"], test_fraction) == split
         if rows is None:
             rows = self._generate(n, seed, keep)

@@ -15,12 +15,13 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .rollout import Rollout, check_prompt_room, halve_after_oom, sample_seeds, step_examples
-from .checkpoint import (CheckpointError, check_same_run, check_writable, claim_run_dir, elastic_restarts,
-                               load_hf_model, load_model, open_run_file, release_run_dir, resume_point, save_checkpoint,
-                               save_hf_step)
+from .checkpoint import (CheckpointError, check_same_run, check_writable, claim_run_dir, describe_changes,
+                               elastic_restarts, file_sha256, load_hf_model, load_model, open_run_file, release_run_dir,
+                               resume_point, save_checkpoint, save_hf_step)
 from .engine import context_limit
 from .llama import Llama
-from .tasks import GSM8K, Arithmetic, Countdown, as_task, read_countdown_rows, read_jsonl
+from .tasks import (GSM8K, Arithmetic, Countdown, TaskView, as_task, countdown_files, read_countdown_rows,
+                          read_jsonl)
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
 from .scale import (PhasePeaks, autocast_for, check_ranks_agree, compute_dtype, full_model_state,
@@ -33,7 +34,8 @@ from .config import (PRESETS, Config, add_config_flag, config_from_args, config_
 
 # %% auto #0
 __all__ = ['ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'lr_multiplier', 'RunLog', 'Trainer', 'check_tasks',
-           'train', 'make_tasks', 'PolicyStart', 'load_policy', 'continue_run', 'build_optimizer', 'main']
+           'train', 'make_tasks', 'task_files', 'data_record', 'PolicyStart', 'load_policy', 'continue_run',
+           'build_optimizer', 'main']
 
 # %% ../nbs/16_train.ipynb #5b266007
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear", warmup: int = 0) -> float:
@@ -101,7 +103,8 @@ class Trainer:
         if self.num_steps < 1:
             raise ValueError(f"{len(self.train_task)} training problems make no step of --examples-per-step "
                              f"{cfg.examples_per_step}; lower it or pass --num-steps")
-        policy = load_policy(cfg, device, world_size, rank)   # holds the run directory's lock from here on
+        self.data = data_record(cfg, (self.train_task, self.val_task))      # what a resume checks of the data
+        policy = load_policy(cfg, device, world_size, rank, self.data)   # holds the run directory's lock from here on
         try:
             self.setup(policy)
         except BaseException:
@@ -214,6 +217,7 @@ def save(self: Trainer, step: int, resume_state: dict):
     optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
     model_state = full_model_state(self.model, master)
     state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`04_checkpoint`)
+    state["data"] = self.data                                     # and the data it must continue on
     try:
         if self.cfg.model_path:
             model = model_state if is_sharded(self.model) else self.model
@@ -269,6 +273,10 @@ def run(self: Trainer) -> list[dict]:
             raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last at step {step}), "
                                  "their updates were skipped; stopping. Lower the learning rates or check the rewards "
                                  f"(new rates with --resume need --allow-changes); {self.saved_hint()}")
+        if last and skipped == step + 1:                             # not one update took: no checkpoint, an error
+            raise NonFiniteError(f"every update was skipped: all {skipped} of {num_steps} steps had a non-finite loss "
+                                 "or gradient, so nothing was trained and no final checkpoint is written. Lower the "
+                                 "learning rates, --kl-coef or --entropy-coef, or check the rewards")
         if self.master:
             bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:+.4f}")
             if step % 10 == 0 or last:
@@ -286,8 +294,14 @@ def check_tasks(tasks, cfg: Config):
     if len(tasks) != 2:
         raise ValueError(f"tasks must be (training task, held-out task), got {len(tasks)} items")
     checked = tuple(as_task(t, f"the {name} task") for t, name in zip(tasks, ("training", "held-out")))
-    for name, t in zip(("training", "held-out"), checked):
-        if len(t) == 0:
+    for name, t, given in zip(("training", "held-out"), checked, tasks):
+        try:
+            size = len(t)
+        except (OverflowError, ValueError, TypeError) as e:                 # __len__ gave 10**30, -1 or a float
+            kind = type(given).__name__
+            raise ValueError(f"the {name} task of --task {cfg.task} ({kind}) has no usable length: len() failed "
+                             f"({e}); its __len__ must return the number of problems, an int in [0, 2**63)") from None
+        if size == 0:
             where = f" (--data-dir {cfg.data_dir})" if cfg.data_dir else ""
             raise ValueError(f"the {name} task of --task {cfg.task} has no problems{where}")
     return checked
@@ -314,6 +328,11 @@ def make_tasks(cfg: Config):
     "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
     try:
         return check_tasks(_build_tasks(cfg), cfg)
+    except SystemExit as e:                       # a task module that exits on import (or its factory): an error
+        if ":" not in cfg.task:
+            raise
+        raise ValueError(f"--task {cfg.task}: sys.exit({e.code!r}) was called while importing {cfg.task.split(':')[0]} "
+                         "or building its tasks; a task module must define its tasks, not exit") from None
     except (ImportError, AttributeError, TypeError) as e:
         if ":" not in cfg.task:
             raise
@@ -342,11 +361,28 @@ def _build_tasks(cfg: Config):
                 Arithmetic(n=HELD_OUT_PROBLEMS, seed=HELD_OUT_SEED, split="test"))
     if cfg.task == "countdown":  # --data-dir: a jsonl/parquet file (or folder) of nums/target rows; else generated
         rows = read_countdown_rows(cfg.data_dir) if cfg.data_dir else None   # read once for both splits
-        return Countdown("train", rows, n=20_000, seed=cfg.seed), Countdown("test", rows, n=1_000, seed=cfg.seed)
+        pair = Countdown("train", rows, n=20_000, seed=cfg.seed), Countdown("test", rows, n=1_000, seed=cfg.seed)
+        for task in pair:
+            task.files = countdown_files(cfg.data_dir) if cfg.data_dir else []   # for a resume's data check
+        return pair
     if cfg.task != "gsm8k":
         raise ValueError(f"unknown --task {cfg.task!r}: expected gsm8k, countdown, arithmetic or module:factory")
     return (GSM8K("main", "train", data_dir=cfg.data_dir, base_dir=cfg.base_dir),
             GSM8K("main", "test", data_dir=cfg.data_dir, base_dir=cfg.base_dir))
+
+def task_files(task) -> list:
+    "The local data files a task read (a `TaskView`: its wrapped task's); none for generated or Hub problems."
+    while isinstance(task, TaskView) and not hasattr(task, "files"):
+        task = task.task
+    return list(getattr(task, "files", []))
+
+def data_record(cfg: Config, tasks) -> dict:
+    "What a resume checks of the data: --data-dir (absolute) and the sha256 of each file the tasks read, by name."
+    root = Path(cfg.data_dir).expanduser().absolute() if cfg.data_dir else None
+    home = root.parent if root and root.is_file() else root            # a Countdown file: named in its folder
+    name = lambda f: f.relative_to(home).as_posix() if home and f.is_relative_to(home) else str(f)
+    files = sorted({Path(f).expanduser().absolute() for t in tasks for f in task_files(t)})
+    return {"data_dir": str(root) if root else None, "data_sha256": {name(f): file_sha256(f) for f in files}}
 
 # %% ../nbs/16_train.ipynb #b2a4c6e8
 @dataclass
@@ -359,8 +395,8 @@ class PolicyStart:
     resume: dict | None = None           # step, RNG state and counters to continue with (resume only)
     reference: torch.nn.Module | None = None   # frozen source model for --kl-coef
 
-def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
-    "The source checkpoint's policy, or this run's last complete checkpoint on --resume (or an elastic restart)."
+def load_policy(cfg: Config, device, world_size: int, rank: int, data: dict | None = None) -> PolicyStart:
+    "The source checkpoint's policy, or this run's last complete checkpoint on --resume (`data`: checked on resume)."
     if cfg.model_path:
         model, tokenizer, meta = load_hf_model(cfg.model_path, device, phase="train")
     else:
@@ -373,18 +409,21 @@ def load_policy(cfg: Config, device, world_size: int, rank: int) -> PolicyStart:
                             if cfg.kl_coef > 0 else None)
         found = resume_point(out, cfg.resume, device, world_size, rank)   # after the reference; None: a fresh run
         if found:
-            continue_run(start, found, cfg, rank)
+            continue_run(start, found, cfg, rank, data)
     except BaseException:
         release_run_dir(out)
         raise
     return start
 
-def continue_run(start: PolicyStart, found, cfg: Config, rank: int):
-    "Load the resumed states into `start`, if the settings continue the run that wrote them."
+def continue_run(start: PolicyStart, found, cfg: Config, rank: int, data: dict | None = None):
+    "Load resumed states into `start` if the settings and `data` (a `data_record`) continue the run that wrote them."
     state, start.optim_state, start.resume = found
-    changed = check_same_run(start.resume.get("config", {}), dataclasses.asdict(cfg), cfg.allow_changes)
+    saved, now = start.resume.get("config", {}), dataclasses.asdict(cfg)
+    if data is not None and "data" in start.resume:          # the data's folder (absolute) and files, as recorded
+        saved, now = saved | start.resume["data"], now | data
+    changed = check_same_run(saved, now, cfg.allow_changes)
     if changed and rank == 0:
-        tqdm.write("nanorl: --allow-changes: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        tqdm.write("nanorl: --allow-changes: " + describe_changes(changed))
     try:
         start.model.load_state_dict(state)
     except RuntimeError as e:

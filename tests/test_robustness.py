@@ -3,6 +3,7 @@ continues the run it names, numbers checked before any work, no broken checkpoin
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,15 @@ def test_demo_mark_that_is_not_its_own_is_named(tmp_path, content, fragment):
 
 def test_demo_threads_checked():
     assert "threads must be >= 0" in run_main(["--threads", "-1"], demo_main)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--threads", "1000000000"], "--threads 1000000000 is far more than the"),    # torch's pool: an abort
+    (["--seed", str(10**30)], "seed must be in [-2**63, 2**64)"),                  # torch: "Overflow when unpacking"
+])
+def test_demo_numbers_torch_cannot_take_are_named(tmp_path, argv, fragment):
+    msg = run_main([*argv, "--output-dir", str(tmp_path / "d"), "--num-steps", "2"], demo_main)
+    assert fragment in msg and "\n" not in msg and not (tmp_path / "d").exists(), msg
 
 
 # ---------------------------------------------------------------- 2. one writer per run directory
@@ -381,6 +391,25 @@ def test_real_checks_numbers_and_offers_resume(tmp_path):
     assert "--resume" in [a.option_strings[0] for a in real_parser()._actions]
 
 
+
+def test_real_accepts_every_flag_its_messages_advise(tmp_path):
+    "nanorl.real's refusals advise --resume, --model-tag and --allow-changes: each is a flag of its own, and works."
+    hf, out = tmp_path / "qwen2", tmp_path / "r"
+    save_tiny_hf_model("qwen2", hf)
+    run = ["--model-path", str(hf), "--num-steps", "1", "--eval-examples", "2", "--threads", "1",
+           "--output-dir", str(out)]
+    real_main(run)
+    own = {s for a in real_parser()._actions for s in a.option_strings}
+    again = run_main(run, real_main)                                   # a run is there: resume it, or another tag
+    changed = run_main([*run, "--resume", "--lr", "1e-4"], real_main)  # its settings changed: --allow-changes
+    assert "--model-tag" in again and "--allow-changes" in changed
+    for msg in (again, changed):
+        advised = set(re.findall(r"--[a-z][a-z-]*", msg))
+        assert advised <= own and "\n" not in msg, (advised - own, msg)
+    real_main([*run, "--resume", "--lr", "1e-4", "--allow-changes"])
+    real_main([*run, "--model-tag", "other"])
+    assert (out / "chatrl_checkpoints" / "other" / "metrics.jsonl").is_file()
+
 # ---------------------------------------------------------------- 7. a run's files: never through a link, never half
 
 
@@ -536,3 +565,127 @@ def test_missing_manifest_is_damage_in_a_run_that_writes_them(base, tmp_path):
     (d / "manifest_000001_rank0.json").write_text(json.dumps({"sha256": ["model_000001.pt"]}))
     msg = run_main(flags(**DEMO_SFT, source="rl", model_step=1, base_dir=out, output_dir=tmp_path / "o2"))
     assert f"{d / 'manifest_000001_rank0.json'}" in msg and "'sha256' as a list" in msg and "\n" not in msg, msg
+
+
+# ---------------------------------------------------------------- 9. a resume continues on the run's own data
+
+
+def test_resume_refuses_other_or_changed_data(base, tmp_path, capsys):
+    "Another --data-dir, or a data file changed in place: refused in one line, nothing else touched; allowed: listed."
+    first, other = tmp_path / "gsm_a", tmp_path / "gsm_b"
+    for d in (first, other):
+        shutil.copytree(FIXTURES / "gsm8k", d)
+    out = tmp_path / "out"
+    run = dict(DEMO_SFT, task="gsm8k", eval_examples=4, num_steps=3, data_dir=first, base_dir=base,
+               output_dir=out)
+    main(flags(**run))
+    d = out / "chatrl_checkpoints" / "d3"
+    for name in ("model_000002.pt", "meta_000002.json", "optim_000002_rank0.pt", "resume_000002_rank0.pt",
+                 "manifest_000002_rank0.json"):
+        (d / name).unlink()                                         # back to step 1: step 2 is to be redone
+    outside = lambda: {k: v for k, v in tree(tmp_path).items() if not k.startswith("out/")}
+    before = outside()
+    msg = run_main(flags(**{**run, "data_dir": other}, resume=True))
+    assert f"--data-dir {first} -> {other}" in msg and "--allow-changes" in msg and "\n" not in msg, msg
+    assert outside() == before
+    lines = (first / "train.jsonl").read_text().splitlines()
+    (first / "train.jsonl").write_text("\n".join(lines[:-1]) + "\n")    # one problem fewer, in place
+    before = outside()
+    msg = run_main(flags(**run, resume=True))
+    assert "data file train.jsonl changed" in msg and "test.jsonl" not in msg and "\n" not in msg, msg
+    assert outside() == before and not (d / "model_000002.pt").exists()
+    capsys.readouterr()
+    main(flags(**run, resume=True, allow_changes=True))
+    assert "nanorl: --allow-changes: data file train.jsonl changed" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- 10. no silent no-op: a run that cannot learn
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(top_k=1), "--top-k 1 keeps only the likeliest token"),
+    (dict(temperature=1e-6), "--temperature 1e-06 draws a token even one logit below the likeliest"),
+    (dict(temperature=0.05), "use a temperature above 1 / (24 ln 2) = 0.0601"),
+])
+def test_greedy_sampling_is_refused(base, tmp_path, changes, fragment):
+    "Samples that are all the same make every advantage 0: refused before any work, as --temperature 0 is."
+    msg = run_main(flags(**{**DEMO_SFT, **changes}, base_dir=base, output_dir=tmp_path / "o"))
+    assert fragment in msg and "every advantage is 0" in msg and "\n" not in msg, msg
+    assert not (tmp_path / "o").exists()
+    validate(Config(**{**DEMO_SFT, "temperature": 0.07, "top_k": 2}))          # just above: accepted
+
+
+@pytest.mark.parametrize("changes", [dict(kl_coef=1e300), dict(task="doubles:make_all_nan_tasks")])
+def test_run_whose_every_update_was_skipped_fails(base, tmp_path, changes):
+    "Every step non-finite (fewer than --max-bad-steps): an error counting them, and no final checkpoint."
+    msg = run_main(flags(**{**DEMO_SFT, **changes}, base_dir=base, output_dir=tmp_path / "o"))
+    assert "every update was skipped: all 2 of 2 steps" in msg and "\n" not in msg, msg
+    d = tmp_path / "o" / "chatrl_checkpoints" / "d3"
+    assert not list(d.glob("model_*.pt")) and len((d / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# ---------------------------------------------------------------- 11. flag values that overflowed, named
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(matrix_lr=1e308), "--matrix-lr 1e+308 x --init-lr-frac 1.0 = 1e+308"),
+    (dict(init_lr_frac=1e308), "--embedding-lr 0.2 x --init-lr-frac 1e+308"),
+    (dict(lr=1e308), "--lr 1e+308"),
+    (dict(dist_timeout_min=1e308), "--dist-timeout-min must be between 1/60 (a second) and 14400"),
+    (dict(dist_timeout_min=1e-9), "--dist-timeout-min must be between"),
+    (dict(task=":x"), "--task must be gsm8k, countdown, arithmetic or module:factory"),
+    (dict(model_step=-1), "--model-step must be >= 0"),
+])
+def test_overflowing_flags_are_named(base, tmp_path, changes, fragment):
+    msg = run_main(flags(**{**DEMO_SFT, "init_lr_frac": 1.0, **changes}, base_dir=base, output_dir=tmp_path / "o"))
+    assert msg.startswith("nanorl.train: error: ") and fragment in msg and "\n" not in msg, msg
+
+
+class BadLength(TaskView):
+    "The demo's problems, claiming `size` of them."
+    size = 10**30
+
+    def __len__(self):
+        return self.size
+
+
+def huge_tasks(cfg):
+    from nanorl.train import make_tasks
+    train_task, held_out = make_tasks(Config(**{**vars(cfg), "task": "arithmetic"}))
+    return BadLength(train_task), held_out
+
+
+def negative_tasks(cfg):
+    train_task, held_out = huge_tasks(cfg)
+    train_task.size = -1
+    return train_task, held_out
+
+
+@pytest.mark.parametrize("factory", ["huge_tasks", "negative_tasks"])
+def test_task_length_that_is_no_length_is_named(base, tmp_path, factory):
+    msg = run_main(flags(**{**DEMO_SFT, "task": f"test_robustness:{factory}"}, base_dir=base,
+                         output_dir=tmp_path / "o"))
+    assert f"the training task of --task test_robustness:{factory} (BadLength) has no usable length" in msg, msg
+    assert "\n" not in msg
+
+
+def test_task_module_that_exits_on_import_is_an_error(base, tmp_path, monkeypatch):
+    "A --task module calling sys.exit(0) as it is imported: an error naming it, not a silent exit 0."
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    msg = run_main(flags(**{**DEMO_SFT, "task": "exits_on_import:tasks"}, base_dir=base, output_dir=tmp_path / "o"))
+    assert msg.startswith("nanorl.train: error: --task exits_on_import:tasks: sys.exit(0)") and "\n" not in msg, msg
+    assert "importing exits_on_import" in msg
+
+
+def test_meta_sequence_len_beyond_the_weights_is_named(base, tmp_path):
+    "A meta claiming sequence_len 1e9 (rotary tables of terabytes): refused naming the file, before any allocation."
+    meta_path = next((base / "chatsft_checkpoints" / "d3").glob("meta_*.json"))
+    meta = json.loads(meta_path.read_text())
+    meta["model_config"]["sequence_len"] = 10**9
+    meta_path.write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint"):
+        msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=tmp_path / "o"))
+    assert f"{meta_path}: the meta's sequence_len 1000000000" in msg and "fix it in the meta" in msg, msg
+    assert "\n" not in msg
