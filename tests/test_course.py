@@ -121,32 +121,36 @@ def test_prose_budgets():
     assert total <= MAX_TOTAL_WORDS, f"nbs/ holds {total} words of prose (budget {MAX_TOTAL_WORDS})"
 
 
-def test_first_gradient_early_on_the_rl_path():
-    "Along the README's RL path, a cell backpropagating sampled completions comes within 2,500 prose words."
+def words_before(found) -> tuple[str, int] | None:
+    "(notebook, prose words read before it) of the first cell along the README's RL path for which `found(cell)`."
     path = re.search(r"\*\*The RL path\*\*(.*?)\n\n", (ROOT / "README.md").read_text(), re.S).group(1)
     read = 0
     for stem in ["index", *re.findall(r"`(\d\d[a-z]?_\w+)`", path)]:
         for c in cells(NBS / f"{stem}.ipynb", None):
-            backward = ".backward()" in c["source"] or "learn(" in c["source"]        # `15a_step`'s learn: backward
-            if c["cell_type"] == "code" and backward and ("rollout(" in c["source"] or "sample(" in c["source"]):
-                assert read <= 2500, f"the first gradient is in {stem}, after {read} words of prose"
-                return
+            if c["cell_type"] == "code" and found(c):
+                return stem, read
             read += words(c["source"]) if c["cell_type"] == "markdown" else 0
-    raise AssertionError("no cell on the RL path runs .backward() on sampled completions")
+    return None
+
+
+def test_first_gradient_early_on_the_rl_path():
+    "Along the README's RL path, a cell backpropagating sampled completions comes within 2,500 prose words."
+    def gradient(c):
+        backward = ".backward()" in c["source"] or "learn(" in c["source"]          # `15a_step`'s learn: backward
+        return backward and ("rollout(" in c["source"] or "sample(" in c["source"])
+    first = words_before(gradient)
+    assert first, "no cell on the RL path runs .backward() on sampled completions"
+    assert first[1] <= 2500, f"the first gradient is in {first[0]}, after {first[1]} words of prose"
 
 
 def test_first_answer_early_on_the_rl_path():
     "Along the README's RL path, a cell printing a real model's sampled answers comes within 3,000 prose words."
-    path = re.search(r"\*\*The RL path\*\*(.*?)\n\n", (ROOT / "README.md").read_text(), re.S).group(1)
-    read = 0
-    for stem in ["index", *re.findall(r"`(\d\d[a-z]?_\w+)`", path)]:
-        for c in cells(NBS / f"{stem}.ipynb", None):
-            shown = "".join("".join(o.get("text", "")) for o in c.get("outputs", []))
-            if c["cell_type"] == "code" and "sample(" in c["source"] and "completion_text(" in c["source"] and shown:
-                assert read <= 3000, f"the first sampled answer is in {stem}, after {read} words of prose"
-                return
-            read += words(c["source"]) if c["cell_type"] == "markdown" else 0
-    raise AssertionError("no cell on the RL path prints sampled answers")
+    def answers(c):
+        shown = "".join("".join(o.get("text", "")) for o in c.get("outputs", []))
+        return "sample(" in c["source"] and "completion_text(" in c["source"] and bool(shown)
+    first = words_before(answers)
+    assert first, "no cell on the RL path prints sampled answers"
+    assert first[1] <= 3000, f"the first sampled answer is in {first[0]}, after {first[1]} words of prose"
 
 
 def test_modules_lines_and_parameters():
