@@ -144,16 +144,17 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         lrm = lr_multiplier(step, self.num_steps, cfg.lr_schedule, cfg.warmup_steps)
         indices = step_examples(step, cfg.examples_per_step, len(self.train_task), self.rank, self.world_size)
-        seeds, peaks = sample_seeds(cfg.seed, step, indices), PhasePeaks(self.device)   # each phase's peak memory
+        seeds, sampling = sample_seeds(cfg.seed, step, indices), cfg.sampling()
+        peaks = PhasePeaks(self.device)                 # each phase's peak memory, logged on GPUs
         with fixed_weights(self.model):    # the weights stay as they are until the update (`13_speedups`)
-            batch = sample(self.engine, self.policy, self.tokenizer, self.train_task, indices, cfg.sampling(), seeds,
+            batch = sample(self.engine, self.policy, self.tokenizer, self.train_task, indices, sampling, seeds,
                            self.rollout_rows)
             self.fit_rollout_rows(batch)
             t1 = time.perf_counter()
             peaks.mark("mem_rollout_gib")
             scores = score(self.tokenizer, self.train_task, indices, batch, self.settings, cfg.max_new_tokens)
             t2 = time.perf_counter()
-            stats = learn(self.policy, batch, scores, cfg.sampling(), self.settings)
+            stats = learn(self.policy, batch, scores, sampling, self.settings)
         grad_norm = update(self.policy, self.optimizer, lrm)
         peaks.mark("mem_train_gib")
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}

@@ -1,6 +1,5 @@
 "Extra tests for nanorl.loss: normalizations, random splits, -inf under the mask, entropy bonus, importance weights."
 
-from contextlib import nullcontext
 
 import pytest
 import torch

@@ -413,13 +413,19 @@ def test_real_accepts_every_flag_its_messages_advise(tmp_path):
 # ---------------------------------------------------------------- 7. a run's files: never through a link, never half
 
 
-def test_lock_that_is_a_link_or_a_fifo_is_refused_by_name(base, tmp_path):
-    "A `.lock` that links to another file, or is a FIFO: one line naming it, and the linked file untouched."
+def linked_run_file(tmp_path, name):
+    "A run directory whose `name` is a symbolic link to a victim file outside it: (output dir, run dir, victim)."
     out, victim = tmp_path / "out", tmp_path / "victim.txt"
     d = out / "chatrl_checkpoints" / "d3"
     d.mkdir(parents=True)
     victim.write_text("precious\n")
-    (d / ".lock").symlink_to(victim)
+    (d / name).symlink_to(victim)
+    return out, d, victim
+
+
+def test_lock_that_is_a_link_or_a_fifo_is_refused_by_name(base, tmp_path):
+    "A `.lock` that links to another file, or is a FIFO: one line naming it, and the linked file untouched."
+    out, d, victim = linked_run_file(tmp_path, ".lock")
     msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=out))
     assert f"{d / '.lock'} is a symbolic link" in msg and "\n" not in msg, msg
     assert victim.read_text() == "precious\n" and not (d / "metrics.jsonl").exists()
@@ -453,11 +459,7 @@ def test_open_run_file_never_follows_a_link(tmp_path):
 
 def test_metrics_file_that_is_a_link_is_refused(base, tmp_path):
     "metrics.jsonl linking elsewhere: refused by name on a fresh run and on --resume; the linked file untouched."
-    out, victim = tmp_path / "out", tmp_path / "victim.txt"
-    d = out / "chatrl_checkpoints" / "d3"
-    d.mkdir(parents=True)
-    victim.write_text("precious\n")
-    (d / "metrics.jsonl").symlink_to(victim)
+    out, d, victim = linked_run_file(tmp_path, "metrics.jsonl")
     msg = run_main(flags(**DEMO_SFT, base_dir=base, output_dir=out))
     assert f"{d / 'metrics.jsonl'} is a symbolic link" in msg and victim.read_text() == "precious\n", msg
     (d / "metrics.jsonl").unlink()

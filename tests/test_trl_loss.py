@@ -17,7 +17,6 @@ ratio is 1) and whose gradient is REINFORCE's; nanorl's default optimizes logp *
 two are compared as they are, and the values with nanorl's ratio form (`pg_loss(..., clip=(logp.detach(), 0.2))`).
 """
 
-from contextlib import nullcontext
 
 import pytest
 
