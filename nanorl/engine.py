@@ -54,7 +54,8 @@ def step_key(step):
 def gumbel_noise(keys, step, token_hash):
     "Gumbel(0, 1) noise (B, k) for rows with `keys` (B,) int64 at `step`, one per candidate (token_hash (B, k))."
     bits = mix32((mix32(keys ^ step_key(step))[:, None] ^ token_hash))                # (B, k) in [0, 2^32)
-    u = ((bits >> 8).float() + 0.5) * (1.0 / 16777216)                                 # uniform in (0, 1)
+    u = ((bits >> 8).float() + 0.5) * (1.0 / 16777216)                                 # uniform in (0, 1]
+    u = u.clamp(max=1 - 2**-24)        # (2^24 - 0.5) / 2^24 rounds to 1.0 in float32, whose noise would be +inf
     return -torch.log(-torch.log(u))
 
 

@@ -105,6 +105,28 @@ def test_sample_next_token_contract():
         sample_next_token(logits, None, temperature=-1.0)
 
 
+def _unmix32(y):
+    "The inverse of `mix32` (each xor-shift undoes itself; each odd multiplier has an inverse mod 2^32)."
+    inv = pow(0x45D9F3B, -1, 2**32)
+    y = (y >> 16) ^ y
+    y = (y * inv) & 0xFFFFFFFF
+    y = (y >> 16) ^ y
+    y = (y * inv) & 0xFFFFFFFF
+    return (y >> 16) ^ y
+
+def test_gumbel_noise_finite_at_the_top_of_its_range():
+    "The candidate whose 24 random bits are all ones gets finite noise, the largest; the others are unchanged."
+    from nanorl.engine import mix32, step_key
+    keys, step = torch.tensor([row_key(3, 0)]), 5
+    row = int(mix32(keys ^ step_key(step))[0])
+    assert all(mix32(_unmix32(x)) == x for x in (0, 1, row, 0xFFFFFFFF))
+    tops = [_unmix32(b) ^ row for b in (0xFFFFFFFF, 0xFFFFFE00, 0xFFFFFD00)]     # bits >> 8: 2^24 - 1, - 2, - 3
+    token_hash = torch.tensor([tops + [7, 11]])
+    noise = gumbel_noise(keys, step, token_hash)[0]
+    assert torch.isfinite(noise).all()
+    # the top value gets -log(-log(1 - 2^-24)) = 16.64; the next two share 1 - 2^-23 (float32's spacing below 1)
+    assert abs(noise[0].item() - 16.6355) < 1e-3 and noise[0] > noise[1] == noise[2] > noise[3:].max()
+
 def test_gumbel_noise_matches_softmax():
     logits = torch.tensor([1.5, 0.5, 0.0, -2.0])
     keys = torch.tensor([row_key(3, j) for j in range(40_000)])
