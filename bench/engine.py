@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the reference generation and nanochat's sampler
 from nanochat_peer import add_peer_args, base_dir, cpu_label, last_json, peer_env, run_peer
+from oracles import reference_generate, sample_next_token
 
 import nanorl.speedups as M  # the CPU fast paths, switched on per model as the trainer does
-from nanorl.engine import Engine, reference_generate, sample_next_token, row_key
+from nanorl.engine import Engine, row_key
 from nanorl.model import GPT, GPTConfig, Sampler
 
 SPECIALS = [

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from nanorl.speedups import use_fast_paths  # the CPU fast paths, switched on as the trainer does
 from nanorl.engine import Engine
-from nanorl.llama import ChatTokenizer, load_llama
+from nanorl.chat import ChatTokenizer
+from nanorl.llama import load_llama
 from nanorl.real import smollm2_default
 from nanorl.tasks import GSM8K
 

@@ -10,10 +10,12 @@ after with standard errors, stop rates, reply length, minutes) is printed and wr
                              [--jobs 2] [--threads 1] [--out bench/learning_runs.jsonl]
     python bench/learning.py --table-only          # the table of the runs already in --out
     python bench/learning.py --first-step --threads 2   # AdamW's first step: weights moved, replies stopping
+    python bench/learning.py --task multi-step [--init FOLDER] [--keep DIR] ...   # the two- and three-step task
 """
 
 import argparse, json, math, os, statistics, subprocess, sys, tempfile, time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -59,8 +61,9 @@ def hold_stop_rows(trainer):
     trainer.optimizer.step = held_step
 
 
-def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, out_dir: str) -> dict:
-    "Train one (arm, seed) in this process; its summary."
+def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, out_dir: str, task: str = "one-step",
+            init: str | None = None) -> dict:
+    "Train one (arm, seed) on `task` in this process, from SmolLM2 or the model folder `init`; its summary."
     import nanorl.train as train_module
     from nanorl.demo import set_threads
     from nanorl.real import real_config, real_tasks, smollm2_path
@@ -71,19 +74,20 @@ def one_run(arm: str, seed: int, steps: int, eval_examples: int, threads: int, o
     if held:                                   # every Trainer this process builds holds its stop rows
         init = train_module.Trainer.__init__
         train_module.Trainer.__init__ = lambda self, *a, **kw: (init(self, *a, **kw), hold_stop_rows(self))[0]
-    cfg = real_config(smollm2_path(), out_dir, num_steps=steps, eval_every=steps, eval_examples=eval_examples,
-                      save_every=steps, seed=seed, **changes)
+    cfg = real_config(smollm2_path(init), out_dir, task, num_steps=steps, eval_every=steps,
+                      eval_examples=eval_examples, save_every=steps, seed=seed, **changes)
     t0 = time.perf_counter()
-    records = train_module.train(cfg, tasks=real_tasks(seed))
+    records = train_module.train(cfg, tasks=real_tasks(seed, task))
     minutes = (time.perf_counter() - t0) / 60
     evals = [r for r in records if "pass@1" in r]
-    return {"arm": arm, "seed": seed, "steps": steps, "eval_examples": eval_examples, "threads": threads,
+    return {"arm": arm, "seed": seed, "task": task, "init": init, "run_dir": str(cfg.run_dir()), "steps": steps, "eval_examples": eval_examples, "threads": threads,
             "minutes": minutes, "config": {k: getattr(cfg, k) for k in (*BEFORE, "dtype")} | {"hold_stop_row": held},
             "before": evals[0]["pass@1"], "before_se": evals[0]["pass@1_se"], "after": evals[-1]["pass@1"],
             "after_se": evals[-1]["pass@1_se"], "eval_stop_before": evals[0].get("eval_stop_rate"),
             "eval_stop_after": evals[-1].get("eval_stop_rate"), "cpu": cpu_label(),
             "steps_log": [{k: r.get(k) for k in ("step", "reward", "seq_len", "stop_rate", "truncated_frac",
-                                                 "stop_adv", "stop_trained", "grad_norm", "lrm")} for r in records]}
+                                                 "stop_adv", "stop_trained", "grad_norm", "lrm", "entropy",
+                                                 "zero_signal_frac")} for r in records]}
 
 
 def first_step(threads: int, **changes) -> dict:
@@ -115,7 +119,7 @@ def first_step(threads: int, **changes) -> dict:
 def quarters(values):
     "Means of the four quarters of a list."
     n = len(values)
-    return [statistics.fmean(values[i * n // 4:(i + 1) * n // 4]) for i in range(4)]
+    return [statistics.fmean(values[i * n // 4:(i + 1) * n // 4] or [math.nan]) for i in range(4)]
 
 
 def mean_se(values, ses=None):
@@ -130,9 +134,9 @@ def table(runs) -> str:
     "The Markdown table: one row per arm, means over its seeds."
     head = ("| arm | seeds | train reward by quarter | pass@1 before | pass@1 after | gain | stop rate, last quarter "
             "| eval stop rate after | reply length, last quarter | min/run |\n|---" + "|---" * 9 + "|")
-    lines, arms = [head], list(dict.fromkeys(r["arm"] for r in runs))
+    lines, arms = [head], list(dict.fromkeys(map(label, runs)))
     for arm in arms:
-        rs = [r for r in runs if r["arm"] == arm]
+        rs = [r for r in runs if label(r) == arm]
         q = [quarters([s["reward"] for s in r["steps_log"]]) for r in rs]
         qm = [statistics.fmean(x[i] for x in q) for i in range(4)]
         b, bse = mean_se([r["before"] for r in rs], [r["before_se"] for r in rs])
@@ -146,11 +150,19 @@ def table(runs) -> str:
     return "\n".join(lines)
 
 
+def label(run) -> str:
+    "A run's row in the table: its arm, with its task and starting model when they are not the recorded run's."
+    task = run.get("task", "one-step")
+    return (f"{task}: " if task != "one-step" else "") + run["arm"] + (" (curriculum)" if run.get("init") else "")
+
+
 def launch(arm, seed, args) -> dict:
     "One (arm, seed) in a fresh process; its summary."
-    with tempfile.TemporaryDirectory(prefix=f"nanorl-{arm}-{seed}-") as out:
+    keep = Path(args.keep) / f"{args.task}-{arm}-{seed}" if args.keep else None
+    with (tempfile.TemporaryDirectory(prefix=f"nanorl-{arm}-{seed}-") if keep is None else nullcontext(keep)) as out:
         cmd = [sys.executable, __file__, "--one", arm, str(seed), "--steps", str(args.steps),
-               "--eval-examples", str(args.eval_examples), "--threads", str(args.threads), "--run-dir", out]
+               "--eval-examples", str(args.eval_examples), "--threads", str(args.threads), "--run-dir", str(out),
+               "--task", args.task] + (["--init", args.init] if args.init else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -170,6 +182,9 @@ def main():
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "learning_runs.jsonl")
+    p.add_argument("--task", default="one-step", help="nanorl.real's task: one-step or multi-step")
+    p.add_argument("--init", help="start from this model folder (e.g. a one-step run's step_<N>: a curriculum)")
+    p.add_argument("--keep", help="keep each run's directory under KEEP/<task>-<arm>-<seed> (default: deleted)")
     p.add_argument("--table-only", action="store_true")
     p.add_argument("--first-step", action="store_true",
                    help="instead: one step at lr 3e-5 and at lr 1e-5 with 5 warm-up steps, and stopping before/after")
@@ -178,7 +193,7 @@ def main():
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_run(args.one[0], int(args.one[1]), args.steps, args.eval_examples, args.threads,
-                                 args.run_dir)))
+                                 args.run_dir, args.task, args.init)))
         return
     if args.first_step:
         for changes in (dict(lr=3e-5), dict(lr=1e-5, warmup_steps=5)):

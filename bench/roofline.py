@@ -441,7 +441,7 @@ def smollm2_run(args) -> ModelRun | str:
     folder = args.smollm2
     if not (folder / "config.json").exists():
         return f"SmolLM2-135M-Instruct skipped: no folder at {folder}; build it with `python bench/smollm2.py`"
-    from nanorl.llama import ChatTokenizer
+    from nanorl.chat import ChatTokenizer
 
     shape, new = smollm2_shape(folder), args.new_tokens
     prompts = step_prompt_tokens(ChatTokenizer.from_directory(folder), args.steps)

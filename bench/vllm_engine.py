@@ -46,7 +46,8 @@ def timed(fn):
 
 def make_engine(side, folder, threads):
     "(engine, its load/start seconds, the nanorl model of the folder)."
-    from nanorl.llama import ChatTokenizer, load_llama
+    from nanorl.chat import ChatTokenizer
+    from nanorl.llama import load_llama
     from nanorl.speedups import use_fast_paths
 
     torch.set_num_threads(threads)
@@ -93,7 +94,7 @@ def child(args):
     "One side in this process: start-up, warm-up, the workloads; then (vLLM) syncs and the log-prob gap. JSON out."
     folder = Path(args.folder)
     engine, start_s, model = make_engine(args.side, folder, args.threads)
-    from nanorl.llama import ChatTokenizer
+    from nanorl.chat import ChatTokenizer
 
     tok = ChatTokenizer.from_directory(folder)
     task, _ = gsm8k_task()

@@ -8,7 +8,8 @@ import argparse, dataclasses, math, warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .checkpoint import get_base_dir, run_dir
+from .checkpoint import get_base_dir
+from .rundir import run_dir
 from .advantages import ADVANTAGE_METHODS
 from .rollout import Sampling
 from .loss import IS_MODES, NORMALIZATIONS
@@ -92,7 +93,7 @@ class Config:
         return Path(self.output_dir) if self.output_dir else get_base_dir(self.base_dir)
 
     def run_dir(self, model_config=None) -> Path:
-        "This run's directory, chatrl_checkpoints/<tag> (`04_checkpoint`'s rule)."
+        "This run's directory, chatrl_checkpoints/<tag> (`04a_rundir`'s rule)."
         return run_dir(self.output_root(), self.model_tag, self.model_path, model_config)
 
     def loss_settings(self) -> LossSettings:

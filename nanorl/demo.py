@@ -21,7 +21,7 @@ from .speedups import use_fast_paths
 from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
-from .checkpoint import lock_run_dir, open_run_file, release_run_dir
+from .rundir import lock_run_dir, open_run_file, release_run_dir
 from .train import (ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, PRESETS, Config, NonFiniteError, add_config_flag,
                           make_tasks, train)
 

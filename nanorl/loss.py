@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 # %% auto #0
 __all__ = ['NORMALIZATIONS', 'IS_MODES', 'token_logp', 'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache',
            'shared_token_logp', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_sum',
-           'token_entropy', 'importance_weights', 'ratio_outside']
+           'token_entropy', 'importance_weights']
 
 # %% ../nbs/11_loss.ipynb #5e0c1a02
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
@@ -200,9 +200,3 @@ def importance_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, mode: str
     if mode == "none":
         return torch.ones_like(ratio)
     return ratio.clamp(max=cap) if mode == "tis" else (ratio <= cap).to(ratio.dtype)
-
-def ratio_outside(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, low: float = 0.9,
-                  high: float = 1.1) -> float:
-    "Fraction of the trained tokens (mask) whose ratio pi / pi_sampler lies outside [low, high]; 0.0 when none."
-    ratio = torch.exp(logp.detach() - sampler_logp.to(logp.dtype))[mask.bool()]  # (N,)
-    return ((ratio < low) | (ratio > high)).float().mean().item() if ratio.numel() else 0.0

@@ -4,19 +4,18 @@
 
 # %% ../nbs/02_model.ipynb #e9836ee2
 from __future__ import annotations
-import functools
 import math
 import warnings
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .optim import Muon, MultiOptimizer
 
 # %% auto #0
-__all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'NS_COEFFICIENTS',
-           'Generation', 'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed',
-           'attention_mask', 'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'Sampler',
-           'newton_schulz', 'native_cpu_bf16', 'fast_matmul_dtype', 'Muon', 'MultiOptimizer']
+__all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'Generation',
+           'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed', 'attention_mask',
+           'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'Sampler']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -471,99 +470,6 @@ def new_kv_cache(self: GPT, batch_size, seq_len=None, dtype=torch.float32):
     c = self.config
     return KVCache(batch_size, c.n_kv_head, seq_len or c.sequence_len, c.head_dim, c.n_layer, self.get_device(), dtype)
 GPT.new_kv_cache = new_kv_cache
-
-# %% ../nbs/02_model.ipynb #95b1028e
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of Muon's quintic iteration
-
-def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
-    "The orthogonal factor U V^T of `G = U S V^T`, approximately: Muon's quintic iteration, computed in `dtype`."
-    a, b, c = NS_COEFFICIENTS
-    X = G.to(dtype)
-    tall = G.size(0) > G.size(1)
-    if tall:
-        X = X.T                                       # (m, n) with m <= n: the Gram matrix is the smaller one
-    X = X / X.norm().clamp(min=eps)                   # Frobenius norm >= largest singular value
-    for _ in range(steps):
-        A = X @ X.T                                   # (m, m)
-        B = torch.addmm(A, A, A, beta=b, alpha=c)     # b A + c A^2
-        X = torch.addmm(X, B, X, beta=a)              # a X + b A X + c A^2 X
-    return X.T if tall else X
-
-# %% ../nbs/02_model.ipynb #c66d8a47
-def native_cpu_bf16() -> bool:
-    "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's own CPU feature check reports it."
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()     # torch >= 2.9 has both
-
-@functools.cache
-def fast_matmul_dtype(device_type: str) -> torch.dtype:
-    "bfloat16 where this machine multiplies it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else float32."
-    if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device_type != "cpu":
-        return torch.float32
-    return torch.bfloat16 if native_cpu_bf16() else torch.float32
-
-# %% ../nbs/02_model.ipynb #97676b73
-class Muon(torch.optim.Optimizer):
-    "Nesterov momentum, then each matrix's update orthogonalized by Newton-Schulz: torch.optim.Muon's algorithm."
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5, ns_dtype=None):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps)
-        super().__init__(params, defaults)
-        self.ns_dtype = ns_dtype  # None: fast_matmul_dtype of each parameter's device
-        shapes = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.ndim != 2]
-        if shapes:
-            raise ValueError(f"Muon updates matrices only, found a parameter of shape {shapes[0]}")
-
-    @torch.no_grad()
-    def step(self):
-        "One update of every matrix that has a gradient."
-        for group in self.param_groups:
-            lr, m = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                buf = self.state[p]["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - m)                                     # buf = m buf + (1 - m) grad
-                update = p.grad.lerp(buf, m) if group["nesterov"] else buf   # Nesterov: look one step ahead
-                update = self.orthogonalize(update, group)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
-
-    def orthogonalize(self, update, group):
-        "The update (rows, cols) through Newton-Schulz, in the faster matmul dtype of its device unless ns_dtype says."
-        return newton_schulz(update, group["ns_steps"], self.ns_dtype or fast_matmul_dtype(update.device.type))
-
-# %% ../nbs/02_model.ipynb #0ff03cf5
-class MultiOptimizer:
-    "Several torch optimizers stepped as one, with a single flat `param_groups` list (for LR schedules)."
-    def __init__(self, optimizers):
-        self.optimizers = list(optimizers)
-    @property
-    def param_groups(self):
-        return [g for opt in self.optimizers for g in opt.param_groups]
-    def step(self):
-        "One step of every optimizer."
-        for opt in self.optimizers:
-            opt.step()
-    def zero_grad(self, set_to_none=True):
-        "Clear the gradients of every optimizer's parameters."
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-    def state_dict(self):
-        "The optimizers' states, in order, under one key."
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-    def load_state_dict(self, state):
-        "Restore the states written by `state_dict` (same optimizers, same order)."
-        states = state.get("optimizers") if isinstance(state, dict) else None
-        if states is None or len(states) != len(self.optimizers):
-            found = len(states) if states is not None else type(state).__name__
-            raise ValueError(f"expected a state dict with {len(self.optimizers)} optimizer states, found {found}")
-        for opt, s in zip(self.optimizers, states):
-            opt.load_state_dict(s)
-    def __repr__(self):
-        return f"MultiOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
 
 # %% ../nbs/02_model.ipynb #d3eb063b
 def setup_optimizers(self: GPT, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,

@@ -20,8 +20,9 @@ from .train import Config, NonFiniteError, add_config_flag, config_help, train, 
 from .demo import plot_run, set_threads
 
 # %% auto #0
-__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'REAL_DIFFICULTY', 'RECIPE', 'final_number', 'FinalNumber', 'smollm2_default',
-           'smollm2_path', 'real_tasks', 'real_config', 'sample_answers', 'run_real', 'real_parser', 'main']
+__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'TASKS', 'REAL_DIFFICULTY', 'RECIPE', 'TASK_RECIPE', 'final_number', 'FinalNumber',
+           'smollm2_default', 'smollm2_path', 'check_task', 'real_tasks', 'real_config', 'sample_answers', 'run_real',
+           'real_parser', 'main']
 
 # %% ../nbs/18_real.ipynb #df1b62d1
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -47,7 +48,9 @@ class FinalNumber(TaskView):
 
 # %% ../nbs/18_real.ipynb #a2d595eb
 SMOLLM2_ENV = "NANORL_SMOLLM2"
-REAL_DIFFICULTY = Difficulty(min_value=2, max_value=20, num_steps=1, ops="+-")
+TASKS = {"one-step": Difficulty(min_value=2, max_value=20, num_steps=1, ops="+-"),        # the recorded run's
+         "multi-step": Difficulty(min_value=2, max_value=20, num_steps=(2, 3), ops="+-")}  # two or three steps
+REAL_DIFFICULTY = TASKS["one-step"]
 
 def smollm2_default() -> Path:
     "Where the SmolLM2 folder is looked for (and built): $NANORL_SMOLLM2, else $NANORL_CACHE's (~/.cache/nanorl)."
@@ -63,18 +66,27 @@ def smollm2_path(path=None) -> Path:
                                 "--model-path")
     return folder
 
-def real_tasks(seed: int = 0):
-    "(training task, held-out task): one-step word problems scored by the reply's final number."
-    return (FinalNumber(Arithmetic(n=20_000, seed=seed, split="train", difficulty=REAL_DIFFICULTY)),
-            FinalNumber(Arithmetic(n=1_000, seed=seed, split="test", difficulty=REAL_DIFFICULTY)))
+def check_task(task: str) -> str:
+    "`task` if it names one of `TASKS`, else a ValueError listing them."
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    return task
+
+def real_tasks(seed: int = 0, task: str = "one-step"):
+    "(training task, held-out task): `task`'s word problems (`TASKS`) scored by the reply's final number."
+    check_task(task)
+    return (FinalNumber(Arithmetic(n=20_000, seed=seed, split="train", difficulty=TASKS[task])),
+            FinalNumber(Arithmetic(n=1_000, seed=seed, split="test", difficulty=TASKS[task])))
 
 RECIPE = dict(model_tag="smollm2", device_type="cpu", num_steps=80, examples_per_step=4, num_samples=8,
               device_batch_size=8, max_new_tokens=48, temperature=0.7, top_k=50, lr=3e-5, warmup_steps=0,
               truncated="zero", eval_every=40, eval_examples=128, eval_samples=4, save_every=80, dtype="float32")
+TASK_RECIPE = {"one-step": {}, "multi-step": dict(max_new_tokens=64)}    # room for a third step
 
-def real_config(model_path, out_dir: str = "runs/real", **changes) -> Config:
-    "The trainer's Config of the real-model run: RECIPE with `changes`."
-    return Config(**{**RECIPE, "model_path": str(model_path), "output_dir": out_dir, **changes})
+def real_config(model_path, out_dir: str = "runs/real", task: str = "one-step", **changes) -> Config:
+    "The trainer's Config of the real-model run on `task`: RECIPE with `changes`."
+    recipe = {**RECIPE, **TASK_RECIPE[check_task(task)]}
+    return Config(**{**recipe, "model_path": str(model_path), "output_dir": out_dir, **changes})
 
 # %% ../nbs/18_real.ipynb #fae7c29d
 def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
@@ -92,17 +104,17 @@ def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
     return out
 
 # %% ../nbs/18_real.ipynb #a92fc39e
-def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
-    "Train the real-model run of `cfg`; returns (and writes) its summary."
+def run_real(cfg: Config, show: tuple = (0, 1, 2), task: str = "one-step") -> dict:
+    "Train the real-model run of `cfg` on `task`; returns (and writes) its summary."
     t0 = time.perf_counter()
-    train_task, held_out = real_tasks(cfg.seed)
+    train_task, held_out = real_tasks(cfg.seed, task)
     records = train(cfg, tasks=(train_task, held_out))
     seconds = time.perf_counter() - t0
     evals = [r for r in records if "pass@1" in r]
     out = Path(cfg.output_dir)
     summary = {"before": evals[0]["pass@1"], "before_se": evals[0]["pass@1_se"], "after": evals[-1]["pass@1"],
                "after_se": evals[-1]["pass@1_se"], "seconds": seconds, "threads": torch.get_num_threads(),
-               "config": asdict(cfg), "records": records}
+               "task": task, "config": asdict(cfg), "records": records}
     title = (f"SmolLM2-135M-Instruct: held-out pass@1 {summary['before']:.3f} -> {summary['after']:.3f} "
              f"in {seconds / 60:.0f} min")
     summary["plot"] = str(plot_run(records, out / "real_curves.png", title, k=cfg.eval_samples, entropy=True))
@@ -115,13 +127,16 @@ def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
 def real_parser() -> argparse.ArgumentParser:
     "Command-line flags of `python -m nanorl.real`."
     p = argparse.ArgumentParser(prog="python -m nanorl.real",
-                                description="RL on SmolLM2-135M-Instruct (a Hugging Face folder) on CPU: one-step "
-                                            "word problems, held-out pass@1 before and after.")
+                                description="RL on SmolLM2-135M-Instruct (a Hugging Face folder) on CPU: word "
+                                            "problems, held-out pass@1 before and after.")
     add_config_flag(p, "model_path", None, f"the model folder (default: ${SMOLLM2_ENV}, else {smollm2_default()}; "
                                            "`python bench/smollm2.py` builds it)")
     add_config_flag(p, "output_dir", "runs/real", "run directory: checkpoints, metrics, plots (default: runs/real)")
     p.add_argument("--out-dir", dest="output_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # earlier name
-    recipe = ("num_steps", "lr", "warmup_steps", "truncated", "entropy_coef", "eval_examples", "logp", "train_stop")
+    p.add_argument("--problems", choices=list(TASKS), default="one-step",
+                   help="one-step word problems (the recorded run, default) or two- and three-step ones (64 tokens)")
+    recipe = ("num_steps", "max_new_tokens", "lr", "warmup_steps", "truncated", "entropy_coef", "eval_examples", "logp",
+              "train_stop")
     for name in recipe:                       # train's flags; their defaults here are the recipe's
         add_config_flag(p, name, None, config_help(name, RECIPE.get(name, getattr(Config(), name))))
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -138,13 +153,14 @@ def main(argv=None):
         folder = smollm2_path(args.model_path)
     except FileNotFoundError as e:
         sys.exit(f"nanorl.real: error: {e}")
-    given = {k: v for k, v in vars(args).items() if k not in ("model_path", "output_dir", "threads") and v is not None}
-    cfg = real_config(folder, args.output_dir, **given)
+    skip = ("model_path", "output_dir", "threads", "problems")
+    given = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    cfg = real_config(folder, args.output_dir, args.problems, **given)
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         set_threads(args.threads)
-        s = run_real(validate(cfg))
+        s = run_real(validate(cfg), task=args.problems)
     except (ValueError, OSError, NonFiniteError) as e:
         sys.exit(f"nanorl.real: error: {e}")
     tqdm.write(f"held-out pass@1 {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± {s['after_se']:.3f} "

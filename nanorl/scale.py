@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from .model import Muon, MultiOptimizer, fast_matmul_dtype
+from .optim import Muon, MultiOptimizer, fast_matmul_dtype
 from .llama import Llama
 from .speedups import packed_weights
 

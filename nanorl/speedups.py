@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import platform
 import sys
-import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -19,10 +18,9 @@ from .llama import Llama
 
 # %% auto #0
 __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS',
-           'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'best_seconds',
-           'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
-           'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths',
-           'keep_freed_memory']
+           'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'onednn_pays',
+           'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed', 'fixed_weights',
+           'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths', 'keep_freed_memory']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
@@ -89,17 +87,6 @@ class PackedLinear:
         return F.linear(x, w, b)
 
 # %% ../nbs/13_speedups.ipynb #186ecc0c
-def best_seconds(fn, repeats=5, calls=3):
-    "Best time of `calls` calls of `fn`, over `repeats` tries after a warm-up."
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
 PACK_MIN_WEIGHTS = 1 << 17  # smaller matrices stay with F.linear (timed at 16 rows on Zen 2, 3 and 5: see below)
 
 def onednn_pays(out_features, in_features) -> bool:

@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .rollout import Rollout, check_prompt_room, halve_after_oom, sample_seeds, step_examples
-from .checkpoint import (CheckpointError, check_same_run, check_writable, claim_run_dir, describe_changes,
-                               elastic_restarts, file_sha256, load_hf_model, load_model, open_run_file, release_run_dir,
-                               resume_point, save_checkpoint, save_hf_step)
+from .checkpoint import CheckpointError, file_sha256, load_hf_model, load_model, save_checkpoint, save_hf_step
+from .rundir import (check_same_run, check_writable, claim_run_dir, describe_changes, elastic_restarts,
+                           open_run_file, release_run_dir, resume_point)
 from .engine import context_limit
 from .llama import Llama
 from .tasks import (GSM8K, Arithmetic, Countdown, TaskView, as_task, countdown_files, read_countdown_rows,
@@ -217,7 +217,7 @@ def save(self: Trainer, step: int, resume_state: dict):
     state, master = {"torch_rng": torch.get_rng_state(), **resume_state}, self.master
     optim_state = full_optim_state(self.optimizer, master)       # sharded: gathered by every rank, kept by rank 0
     model_state = full_model_state(self.model, master)
-    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`04_checkpoint`)
+    state["config"] = dataclasses.asdict(self.cfg)                # what a resume must continue (`04a_rundir`)
     state["data"] = self.data                                     # and the data it must continue on
     try:
         if self.cfg.model_path:

@@ -537,7 +537,7 @@ def token_biased(model, token, bias=50.0):
 
 def tiny_chat_tokenizer(family, folder):
     "nanorl's ChatTokenizer over tiny_hf_tokenizer(family) (its real chat template), saved into folder."
-    from nanorl.llama import ChatTokenizer
+    from nanorl.chat import ChatTokenizer
 
     tiny_hf_tokenizer(family).save_pretrained(folder)
     return ChatTokenizer.from_directory(folder)

@@ -8,8 +8,8 @@ from nanorl.checkpoint import (
     CheckpointError,
     load_model,
     save_checkpoint,
+    checkpoint_steps,
     detect_generation,
-    find_last_step,
     load_resume_state,
 )
 
@@ -62,7 +62,7 @@ def test_corrupt_last_step_is_skipped_and_explicit_step_errors(tmp_path):
     (d / "model_000005.pt").write_bytes(b"not a checkpoint")
     shutil.copy(d / "meta_000000.json", d / "meta_000005.json")
     (d / "model_000006.pt").write_bytes((d / "model_000000.pt").read_bytes())  # no meta -> incomplete
-    assert find_last_step(d) == 6
+    assert checkpoint_steps(d)[-1] == 6
     with pytest.warns(UserWarning, match="skipping incomplete checkpoint"):
         _, _, meta = load_model(d, "cpu", base_dir=FIX / "head")
     assert meta["nanorl"]["step"] == 0

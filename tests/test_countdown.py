@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from doubles import ReplyEngine, load_fixture_model, save_tiny_hf_model, tiny_chat_tokenizer
 from nanorl.engine import Engine
 from nanorl.evaluate import sample_outcomes
-from nanorl.llama import template_messages
+from nanorl.chat import template_messages
 from nanorl.rollout import Sampling, collate, completion_text, prompt_ids, rollout, sample_seeds
 from nanorl.step import score
 from nanorl.tasks import COUNTDOWN_SYSTEM, Countdown, CountdownShaping, countdown_reward

@@ -4,7 +4,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanorl.speedups import use_fast_paths
-import nanorl.model as M
+import nanorl.optim as M
 from nanorl.engine import Engine
 from nanorl.tokenizer import Tokenizer
 from test_model import FIX, fixture_model

@@ -12,7 +12,7 @@ import torch
 
 from doubles import NANOCHAT_HEAD, base_dir, checkpoints_of, records, save_tiny_hf_model, small_run, step_files, weights
 from nanorl.checkpoint import load_model
-from nanorl.model import fast_matmul_dtype
+from nanorl.optim import fast_matmul_dtype
 from nanorl.train import Config, validate
 from rounding import EVALUATION, GRAD_NORM_RTOL, LOGP_ATOL, assert_same_step, assert_updates_agree, nanochat_muon_names
 from harness import ENV, ROOT, TORCHRUN, check

@@ -17,7 +17,8 @@ from nanorl.checkpoint import (
     read_hf_state,
     save_hf_checkpoint,
 )
-from nanorl.engine import DEFAULT_MAX_NEW_TOKENS, Engine, reference_generate
+from nanorl.engine import DEFAULT_MAX_NEW_TOKENS, Engine
+from oracles import reference_generate
 from nanorl.train import Config, build_optimizer, train
 
 transformers = pytest.importorskip("transformers")

@@ -15,15 +15,8 @@ transformers = pytest.importorskip("transformers")
 from doubles import (HF_KINDS, gsm8k_chat_conversations, save_tiny_hf_model, small_run, tiny_hf_tokenizer,
                      to_transformers4_layout)
 from nanorl.engine import Engine
-from nanorl.llama import (
-    ChatTokenizer,
-    DecoderConfig,
-    config_from_dict,
-    load_llama,
-    message_text,
-    rope_settings,
-    template_messages,
-)
+from nanorl.chat import ChatTokenizer, message_text, template_messages
+from nanorl.llama import DecoderConfig, config_from_dict, load_llama, rope_settings
 from harness import ENV
 from rounding import LOGITS_ATOL, assert_greedy_agrees
 
@@ -475,13 +468,13 @@ def test_hostile_template_is_one_line_in_seconds(tmp_path, trap):
 
 def test_template_past_its_time_is_named(tmp_path, monkeypatch):
     "A template whose loops stay under every count but run past the time budget (here 0.2 s) stops, named."
-    import nanorl.llama
+    import nanorl.chat
 
     folder = tmp_path / "qwen2"
     save_tiny_hf_model("qwen2", folder)
     loops = "{% for i in range(900) %}{% for j in range(900) %}{% if messages[0].role == 'x' %}{% endif %}"
     (folder / "chat_template.jinja").write_text(loops + "{% endfor %}{% endfor %}" + GENERATION_PROMPT)
-    monkeypatch.setattr(nanorl.llama, "RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(nanorl.chat, "RENDER_SECONDS", 0.2)
     tok = ChatTokenizer.from_directory(folder)
     with pytest.raises(ValueError, match=r"chat_template.jinja: rendering the chat template went over its budget "
                                          r"\(more than 0.2 s\)"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanorl.loss import NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss, ratio_outside
+from nanorl.loss import NORMALIZATIONS, count_trained, importance_weights, loss_normalizer, pg_loss
 from nanorl.config import Config
 from nanorl.step import Pass, Policy, backward_passes, step_normalizer
 from doubles import load_fixture_model, save_tiny_hf_model
@@ -173,7 +173,7 @@ def constructed_batch():
 
 
 def test_importance_weights_on_a_constructed_batch():
-    "tis = min(ratio, cap), mask = 1 where ratio <= cap, none = ones; detached; ratio_outside counts trained tokens."
+    "tis = min(ratio, cap), mask = 1 where ratio <= cap, none = ones; detached."
     ratios, sampler_logp, logp, mask = constructed_batch()
     logp.requires_grad_()
     tis = importance_weights(logp, sampler_logp, "tis", cap=2.0)
@@ -181,9 +181,6 @@ def test_importance_weights_on_a_constructed_batch():
     assert torch.equal(importance_weights(logp, sampler_logp, "mask", cap=2.0), (ratios <= 2.0).double())
     assert torch.equal(importance_weights(logp, sampler_logp, "none"), torch.ones_like(ratios))
     assert not tis.requires_grad
-    assert ratio_outside(logp, sampler_logp, mask) == pytest.approx(4 / 7)  # 0.5, 1.5, 3.0 and 2.0 of 7 trained
-    assert ratio_outside(logp, sampler_logp, mask, low=0.4, high=3.5) == 0.0  # the untrained 7.0 is not counted
-    assert ratio_outside(logp, sampler_logp, torch.zeros_like(mask)) == 0.0
     with pytest.raises(ValueError, match="mode must be one of"):
         importance_weights(logp, sampler_logp, "clip")
     with pytest.raises(ValueError, match="sampler_logp must be"):

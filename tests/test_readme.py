@@ -180,7 +180,7 @@ def test_demo_and_real_speak_train_flags():
     from nanorl.config import build_parser
 
     train = {a.dest: a for a in build_parser(every=True)._actions if a.help != argparse.SUPPRESS}
-    own = {"help", "threads", "quick", "control"}  # the demo's and the real run's settings that no trainer has
+    own = {"help", "threads", "quick", "control", "problems"}  # the demo's and the real run's settings that no trainer has
     for parser in (demo_parser(), real_parser()):
         shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and a.dest not in own]
         assert shown and all(a.dest in train for a in shown), [a.dest for a in shown if a.dest not in train]

@@ -24,8 +24,9 @@ def test_final_number(text, number):
     assert final_number(text) == number
 
 
-def test_tasks_are_disjoint_and_scored_by_the_last_number():
-    train, held_out = real_tasks(seed=0)
+@pytest.mark.parametrize("task", ["one-step", "multi-step"])
+def test_tasks_are_disjoint_and_scored_by_the_last_number(task):
+    train, held_out = real_tasks(seed=0, task=task)
     questions = lambda t, n: {t[i]["messages"][0]["content"] for i in range(n)}
     assert not questions(train, 2000) & questions(held_out, 500), "a held-out question is also a training question"
     conv = held_out[3]
@@ -59,3 +60,19 @@ def test_recipe_trains_the_folder_with_adamw_at_its_rate(tmp_path):
     assert {g["lr"] for g in groups} == {cfg.lr} and sum(len(g["params"]) for g in groups) == len(
         list(model.parameters())
     )
+
+
+def test_multi_step_task_has_two_or_three_steps_and_room_to_write_them():
+    "The multi-step problems chain 2 or 3 calculator steps of + and - (both occur); the run gets 64 new tokens."
+    from nanorl.real import real_parser
+
+    train, _ = real_tasks(seed=0, task="multi-step")
+    chains = [train.task.problems[i]["steps"] for i in range(300)]
+    assert {len(c) for c in chains} == {2, 3} and {op for c in chains for op, _, _ in c} == {"+", "-"}
+    assert real_config("m", task="multi-step").max_new_tokens == 64 and real_config("m").max_new_tokens == 48
+    assert real_config("m", task="multi-step", max_new_tokens=80).max_new_tokens == 80     # a flag still wins
+    with pytest.raises(ValueError, match="one-step, multi-step"):
+        real_tasks(task="gsm9k")
+    with pytest.raises(SystemExit):
+        real_parser().parse_args(["--problems", "gsm9k"])
+    assert real_parser().parse_args(["--problems", "multi-step"]).problems == "multi-step"

@@ -12,7 +12,7 @@ from rounding import STEP_ATOL
 from doubles import base_dir, records, checkpoints_of, small_run, weights
 from nanorl.checkpoint import CheckpointError, load_model
 from nanorl.rollout import Sampling, rollout
-from nanorl.checkpoint import check_writable, complete_steps
+from nanorl.rundir import check_writable, complete_steps
 from nanorl.train import (
     Config,
     NonFiniteError,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from doubles import FIXTURES, save_tiny_hf_model
-from nanorl.checkpoint import (CheckpointError, atomic_save, load_checkpoint, load_model, open_run_file,
-                               release_run_dir)
+from nanorl.checkpoint import CheckpointError, atomic_save, load_checkpoint, load_model
+from nanorl.rundir import open_run_file, release_run_dir
 from nanorl.demo import DEMO_MARK, claim_dir, record_files
 from nanorl.demo import main as demo_main
 from nanorl.real import main as real_main
@@ -129,7 +129,7 @@ def test_demo_numbers_torch_cannot_take_are_named(tmp_path, argv, fragment):
 
 def hold_lock(run_dir):
     "A process that holds `run_dir`'s lock until killed."
-    code = f"from nanorl.checkpoint import lock_run_dir; lock_run_dir({str(run_dir)!r}); print('held', flush=True); " \
+    code = f"from nanorl.rundir import lock_run_dir; lock_run_dir({str(run_dir)!r}); print('held', flush=True); " \
            "import time; time.sleep(120)"
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"

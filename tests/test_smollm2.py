@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from doubles import FIXTURES, gsm8k_chat_conversations, smollm2_folder
 from nanorl.engine import Engine
-from nanorl.llama import ChatTokenizer, load_llama, template_messages
+from nanorl.chat import ChatTokenizer, template_messages
+from nanorl.llama import load_llama
 from nanorl.tasks import GSM8K
 from rounding import LOGITS_ATOL, assert_greedy_agrees
 

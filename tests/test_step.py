@@ -16,11 +16,12 @@ import torch
 import nanorl.step
 from doubles import FIXTURES, LengthTask, demo_sft, save_tiny_hf_model
 from rounding import assert_updates_agree, nanochat_muon_names
-from nanorl.checkpoint import load_model, release_run_dir
+from nanorl.checkpoint import load_model
+from nanorl.rundir import release_run_dir
 from nanorl.config import Config
 from nanorl.loop import rl_loop
 from nanorl.loss import NORMALIZATIONS
-from nanorl.model import fast_matmul_dtype
+from nanorl.optim import fast_matmul_dtype
 from nanorl.tasks import Arithmetic
 from nanorl.train import Trainer, build_optimizer
 

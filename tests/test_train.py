@@ -6,13 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import nanorl.checkpoint as C
+import nanorl.rundir as R
 import nanorl.step as S
 import nanorl.train as T
 from harness import ROOT, TORCHRUN, run_checked
 from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step_files, weights
-from nanorl.checkpoint import load_model, release_run_dir
-from nanorl.model import fast_matmul_dtype
+from nanorl.checkpoint import load_model
+from nanorl.rundir import release_run_dir
+from nanorl.optim import fast_matmul_dtype
 from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
 from rounding import assert_same_step, assert_updates_agree, nanochat_muon_names
 
@@ -306,8 +307,8 @@ def test_resume_agreement_tensor_is_on_the_run_device(tmp_path, monkeypatch):
         seen.append(t.device)
         raise Reduced
 
-    monkeypatch.setattr(C, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
-    monkeypatch.setattr(C.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(R, "_read_resume_files", lambda out, step, device, rank: ("state", "optim", {"step": step}))
+    monkeypatch.setattr(R.dist, "all_reduce", fake_all_reduce)
     with pytest.raises(Reduced):
-        C.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
+        R.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
     assert seen == [torch.device("meta")]

@@ -1,0 +1,90 @@
+"""GSM8K test, held out: a model's pass@k with the real run's instruction and last-number rule, by nanorl's evaluator.
+
+    python bench/gsm8k_eval.py [--model DIR ...] [--label NAME ...] [--examples 128] [--samples 4]
+                               [--max-new-tokens 256] [--threads 2] [--out bench/gsm8k_eval.jsonl]
+
+Each `--model` is a Hugging Face folder (default: SmolLM2-135M-Instruct's, see `bench/smollm2.py`) or a run directory
+that `nanorl.checkpoint.load_model` reads (its newest step). The problems are the first `--examples` of GSM8K's test
+split in nanorl's shuffled order (`GSM8K(split="test")`, read from `--data-dir`, default ../shared/data/gsm8k), asked
+as `18_real` asks its word problems (`FinalNumber`: the question plus " Give the final answer as a number at the end.")
+and scored by the reply's last number against the `#### N` answer. Sampling: `--samples` per problem, temperature 0.7,
+top-k 50 (the real run's), at most `--max-new-tokens`; the seeds are the evaluator's, the same for every model. Every
+pass@k is printed with its standard error over problems; one JSON line per model goes to `--out`.
+"""
+
+import argparse, json, sys, time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nanochat_peer import cpu_label  # noqa: E402  the CPU kind, as every benchmark here prints it
+
+from nanorl.checkpoint import load_model  # noqa: E402
+from nanorl.engine import Engine  # noqa: E402
+from nanorl.evaluate import evaluate_pass_at_k  # noqa: E402
+from nanorl.real import FinalNumber, smollm2_path  # noqa: E402
+from nanorl.rollout import Sampling  # noqa: E402
+from nanorl.speedups import use_fast_paths  # noqa: E402
+from nanorl.tasks import GSM8K  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def gsm8k_test(data_dir) -> FinalNumber:
+    "GSM8K's test split, asked with the real run's instruction and scored by the last number."
+    return FinalNumber(GSM8K(split="test", data_dir=data_dir))
+
+
+def evaluate_model(folder, task, args) -> dict:
+    "pass@k of the model in `folder` on the first `args.examples` problems of `task`, with the seconds it took."
+    model, tokenizer, _ = load_model(folder, "cpu")
+    engine = Engine(use_fast_paths(model.eval()), tokenizer)          # on a CPU, as the trainer samples
+    sampling = Sampling(num_samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=0.7, top_k=50)
+    t0 = time.perf_counter()
+    result = evaluate_pass_at_k(engine, tokenizer, task, sampling, args.examples, seed=args.seed, prompts_per_batch=4)
+    return result.metrics() | {"seconds": time.perf_counter() - t0}
+
+
+def parse_args(argv=None):
+    "Command-line flags."
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", help="model folder or run directory (repeatable; default: SmolLM2)")
+    p.add_argument("--label", action="append", help="a name for each --model, in order (default: its path)")
+    p.add_argument("--examples", type=int, default=128, help="first N test problems (default 128)")
+    p.add_argument("--samples", type=int, default=4, help="samples per problem (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply at most (default 256)")
+    p.add_argument("--seed", type=int, default=42, help="the evaluator's seed (default 42)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--data-dir", default=str(DATA), help=f"GSM8K's folder (default {DATA})")
+    p.add_argument("--out", default=str(ROOT / "bench" / "gsm8k_eval.jsonl"), help="JSON lines, appended")
+    args = p.parse_args(argv)
+    args.model = args.model or [str(smollm2_path())]
+    args.label = args.label or args.model
+    if len(args.label) != len(args.model):
+        p.error(f"{len(args.label)} --label for {len(args.model)} --model")
+    return args
+
+
+def main(argv=None):
+    "Evaluate each model and append its record."
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    task = gsm8k_test(args.data_dir)
+    for folder, label in zip(args.model, args.label):
+        m = evaluate_model(folder, task, args)
+        record = {"label": label, "model": str(folder), "examples": args.examples, "samples": args.samples,
+                  "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_label(),
+                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **m}
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"{label}: pass@1 {m['pass@1']:.3f} ± {m['pass@1_se']:.3f}, pass@{args.samples} "
+              f"{m[f'pass@{args.samples}']:.3f} ± {m[f'pass@{args.samples}_se']:.3f} (± standard error over "
+              f"{args.examples} problems), stop rate {m['eval_stop_rate']:.2f}, {m['seconds']:.0f} s, {cpu_label()}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
