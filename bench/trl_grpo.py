@@ -120,7 +120,7 @@ def trl_worker(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanorl.llama import ChatTokenizer
+    from nanorl.chat import ChatTokenizer
     from nanorl.tasks import GSM8K
 
     task = GSM8K(split="train", data_dir=args.data_dir)
