@@ -274,7 +274,7 @@ def claim_dir(out: Path):
     "Lock `out` and remove what an earlier demo wrote there; a ValueError if it holds anything the demo did not write."
     out.mkdir(parents=True, exist_ok=True)
     own_lock = not os.path.lexists(out / ".lock")
-    lock_run_dir(out)                                   # two demos on one folder: the second stops here
+    lock_run_dir(out, "another --output-dir")          # two demos on one folder: the second stops here
     try:
         written = read_mark(out)
         stray = sorted(demo_files(out) - written)

@@ -70,7 +70,7 @@ def open_run_file(path, mode: str = "r"):
 # %% ../nbs/04a_rundir.ipynb #1d45c5a7
 _LOCKS = {}     # run directory -> its open lock file, held by this process
 
-def lock_run_dir(directory: Path) -> Path:
+def lock_run_dir(directory: Path, elsewhere: str = "another --output-dir or --model-tag") -> Path:
     "Hold the run directory's lock (again, in the process that holds it); a ValueError if another process holds it."
     directory = Path(directory).expanduser().absolute()
     if directory in _LOCKS:
@@ -84,7 +84,7 @@ def lock_run_dir(directory: Path) -> Path:
         holder = f.read().strip() or "another process"
         f.close()
         raise ValueError(f"{directory} is in use by another run ({holder}); wait for it to end, or give this run "
-                         "another --output-dir or --model-tag") from None
+                         f"{elsewhere}") from None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()

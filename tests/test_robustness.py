@@ -136,6 +136,18 @@ def hold_lock(run_dir):
     return p
 
 
+def test_second_demo_on_a_folder_names_only_its_own_flag(tmp_path):
+    "The demo has no --model-tag, so its in-use message offers --output-dir alone; the trainer's offers both."
+    out = tmp_path / "demo"
+    holder = hold_lock(out)
+    try:
+        msg = run_main(["--output-dir", str(out), "--num-steps", "2"], demo_main)
+        assert "is in use by another run (pid" in msg and "--output-dir" in msg and "--model-tag" not in msg, msg
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_second_run_on_a_directory_stops_at_once(base, tmp_path):
     "While another process writes the run directory, a run there fails before any step; once it dies, a run goes."
     out = tmp_path / "out"
