@@ -18,9 +18,9 @@ from .model import KVCache, Linear, apply_rotary
 from .chat import ChatTokenizer, read_json   # ChatTokenizer: importable from nanorl.llama as well
 
 # %% auto #0
-__all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE', 'Llama3Scaling', 'DecoderConfig',
-           'rope_settings', 'config_from_dict', 'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention', 'SwiGLU',
-           'DecoderLayer', 'Llama', 'safetensors_files', 'read_weights', 'check_weights', 'load_llama']
+__all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'MAX_POSITIONS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE', 'Llama3Scaling',
+           'DecoderConfig', 'rope_settings', 'config_from_dict', 'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention',
+           'SwiGLU', 'DecoderLayer', 'Llama', 'safetensors_files', 'read_weights', 'check_weights', 'load_llama']
 
 # %% ../nbs/03_llama.ipynb #0f6770e4
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -97,6 +97,8 @@ def rope_settings(cfg, source="config.json"):
         raise ValueError(f"{source}: llama3 rope scaling needs {missing}, found keys {sorted(params)}")
     return theta, Llama3Scaling(*(params[n] for n in names))
 
+MAX_POSITIONS = 2**20   # rotary tables are built for every position at load: a bound keeps a typo from eating memory
+
 def config_from_dict(cfg, source="config.json"):
     "A `DecoderConfig` from the dict of a `config.json`; a ValueError naming `source` for what we cannot run."
     kind = cfg.get("model_type")
@@ -109,6 +111,10 @@ def config_from_dict(cfg, source="config.json"):
         raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; expected 'silu'")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{source}: sliding-window attention (use_sliding_window) is not supported")
+    positions = cfg.get("max_position_embeddings", 2048)
+    if not (isinstance(positions, int) and 1 <= positions <= MAX_POSITIONS):
+        raise ValueError(f"{source}: max_position_embeddings must be an integer in [1, {MAX_POSITIONS}], "
+                         f"got {positions!r}")
     theta, scaling = rope_settings(cfg, source)
     bias = bool(cfg.get("attention_bias", False))
     heads = cfg["num_attention_heads"]
@@ -117,7 +123,7 @@ def config_from_dict(cfg, source="config.json"):
         intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim"), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=kind == "qwen2" or bias, o_proj_bias=kind != "qwen2" and bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=kind == "qwen3", rope_theta=theta, rope_scaling=scaling)

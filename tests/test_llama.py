@@ -92,6 +92,12 @@ def test_config_errors(tmp_path):
         config_from_dict({"model_type": "llama", "vocab_size": 3})
     with pytest.raises(FileNotFoundError, match="config.json"):
         DecoderConfig.from_folder(tmp_path)
+    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert config_from_dict({**base, "max_position_embeddings": 131072}).max_position_embeddings == 131072
+    for bad in (10**12, 0, 2048.5, "2048"):            # a typo would build rotary tables for 10^12 positions
+        with pytest.raises(ValueError, match=r"cfg/config.json: max_position_embeddings must be an integer"):
+            config_from_dict({**base, "max_position_embeddings": bad}, "cfg/config.json")
 
 
 # ------------------------------------------------------------------ the model against transformers
