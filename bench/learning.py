@@ -111,7 +111,7 @@ def first_step(threads: int, **changes) -> dict:
         again = sample(trainer.engine, trainer.policy, trainer.tokenizer, trainer.train_task, indices, cfg.sampling(),
                        sample_seeds(cfg.seed, 0, indices), cfg.rollout_rows)  # step 0's seeds, the new weights
     return {"changes": changes, "lr_step0": record["lr"], "stop_before": record["stop_rate"],
-            "stop_after": 1 - again.truncated(cfg.max_new_tokens).float().mean().item(),
+            "stop_after": 1 - torch.tensor(again.cut).float().mean().item(),
             "median_move_over_lr": moved.median().item(), "moved_over_half_lr": (moved > 0.5).float().mean().item(),
             "parameters": moved.numel(), "cpu": cpu_label()}
 

@@ -77,12 +77,11 @@ def logprob_gap(engine, model, prompts):
     gen = engine.generate_many(prompts, 2, 128, 1.0, 50, 7)
     gaps = []
     for r, seq in enumerate(gen.sequences):
-        n, stop = len(prompts[r // 2]), gen.stops[r]
-        ids = torch.tensor([seq + ([stop[0]] if stop else [])])  # (1, T)
+        n, ids = len(prompts[r // 2]), torch.tensor([seq])  # (1, T), a sampled stop token last
         targets = torch.cat([torch.full((1, n - 1), -1), ids[:, n:]], 1)  # (1, T - 1)
         with torch.no_grad():
             nll = model(ids[:, :-1], targets=targets, loss_reduction="none", sampler=Sampler(1.0, 50))  # (T - 1,)
-        theirs = torch.tensor(gen.logprobs[r] + ([stop[1]] if stop else []))
+        theirs = torch.tensor(gen.logprobs[r])
         gaps.append(theirs + nll[n - 1 :])  # vLLM's log-prob minus the trainer's, per token
     gaps = torch.cat(gaps).double()
     ratio = gaps.neg().exp()  # trainer / sampler, the importance ratio of each token

@@ -11,6 +11,7 @@ from pathlib import Path
 from .checkpoint import get_base_dir
 from .rundir import run_dir
 from .advantages import ADVANTAGE_METHODS
+from .model import check_sampling
 from .rollout import Sampling
 from .loss import IS_MODES, NORMALIZATIONS
 from .scale import check_rank_settings
@@ -134,9 +135,8 @@ _CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NOR
 _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new_tokens", "eval_every", "eval_examples",
                              "save_every", "rollout_rows", "max_bad_steps", "num_epochs", "num_steps", "eval_samples",
                              "eval_max_new_tokens"), 1),
-            "num_samples": 2, "temperature": 0, "top_k": 0, "kl_coef": 0, "entropy_coef": 0,
-            "warmup_steps": 0, "model_step": 0}   # None: the default
-_WHY = {"num_samples": ": the advantage compares samples within a group", "top_k": " (0: the whole vocabulary)"}
+            "num_samples": 2, "kl_coef": 0, "entropy_coef": 0, "warmup_steps": 0, "model_step": 0}   # None: the default
+_WHY = {"num_samples": ": the advantage compares samples within a group"}
 
 MAX_RATE = 10.0   # an Adam or Muon step moves a weight by about its rate: far above 1, it only wrecks the weights
 MIN_TEMPERATURE = 1 / (24 * math.log(2))   # below: exp(-1/T) < 2^-24, the resolution of the sampler's random draws
@@ -169,6 +169,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         value = getattr(cfg, name)
         if value is not None and not value >= low:                                 # nan fails too
             raise ValueError(f"{flag(name)} must be >= {low}{_WHY.get(name, '')}, got {value}")
+    check_sampling(cfg.temperature, cfg.top_k, ("--temperature", "--top-k"))      # the engines' own check (`02_model`)
     for f in fields(cfg):
         if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
             raise ValueError(f"{flag(f.name)} must be a finite number, got {getattr(cfg, f.name)}")

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_TOKENS', 'mix32', 'row_key', 'step_key',
            'gumbel_noise', 'seeds_per_prompt', 'stop_token_ids', 'RowState', 'context_limit', 'Engine', 'softcap',
-           'check_generation', 'new_stats', 'Completions', 'sampler_of']
+           'check_generation', 'new_stats', 'Completions']
 
 # %% ../nbs/06_engine.ipynb #301f3865
 import numbers, operator
 from collections import deque
 from contextlib import nullcontext
 import torch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fastcore.basics import patch
 from .model import KVCache, Sampler
 from .calculator import use_calculator
@@ -214,7 +214,7 @@ def advance_row(self: Engine, state, token, stats: dict, live=True):
 # %% ../nbs/06_engine.ipynb #b8a71f69
 DEFAULT_MAX_NEW_TOKENS = 4096   # new tokens when max_tokens is None: the cache holds prompt + this many positions
 
-def check_generation(prompts, num_samples, max_tokens, temperature, seed, positions: tuple):
+def check_generation(prompts, num_samples, max_tokens, seed, positions: tuple):
     "Validate a request; positions: (default length, limit), each (tokens, name). Returns (max_tokens, seeds)."
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"expected a non-empty list of prompts, got {prompts!r}")
@@ -223,8 +223,6 @@ def check_generation(prompts, num_samples, max_tokens, temperature, seed, positi
             raise ValueError(f"prompt {i} is empty; expected at least one token (e.g. <|bos|>)")
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
     longest, ((length, length_name), (limit, limit_name)) = max(len(p) for p in prompts), positions
     if max_tokens is None:     # the model's length, but at most DEFAULT_MAX_NEW_TOKENS (Qwen's is 32768)
         max_tokens = min(length - longest, DEFAULT_MAX_NEW_TOKENS)
@@ -238,10 +236,10 @@ def check_generation(prompts, num_samples, max_tokens, temperature, seed, positi
     return max_tokens, seeds_per_prompt(seed, len(prompts))
 
 @patch
-def check_request(self: Engine, prompts, num_samples, max_tokens, temperature, seed):
-    "Validate a generation request; returns (max_tokens, one seed per prompt)."
+def check_request(self: Engine, prompts, num_samples, max_tokens, seed):
+    "Validate a generation request (its temperature and top_k: `Sampler.of`); returns (max_tokens, seeds)."
     positions = ((self.model.config.sequence_len, "sequence_len"), (context_limit(self.model), "the model"))
-    return check_generation(prompts, num_samples, max_tokens, temperature, seed, positions)
+    return check_generation(prompts, num_samples, max_tokens, seed, positions)
 
 def new_stats(n_prompts, n_rows):
     "Counters for one generation call (`Completions.stats`)."
@@ -250,12 +248,12 @@ def new_stats(n_prompts, n_rows):
 
 @dataclass(eq=False)
 class Completions:
-    "One call's rows, grouped by prompt; as a pair (unpacked, indexed, compared) it is nanochat's (sequences, masks)."
-    sequences: list                # prompt + completion ids, the sampled stop token left out
-    masks: list                    # 1 where the engine sampled the token, 0 on the prompt and tool output
-    logprobs: list | None          # per completion token, its log-prob under the sampler (0 for tool output)
-    stops: list                    # per row, (stop id, its log-prob) if it sampled one, else None (cut)
-    stats: dict                    # the call's counters (`new_stats`)
+    "One call's rows, grouped by prompt; as a pair (unpacked, indexed, compared) it is (sequences, masks)."
+    sequences: list                # prompt + completion ids; a row that sampled its stop token ends with it
+    masks: list                    # 1 where the engine sampled the token (a stop too), 0 on prompt and tool output
+    cut: list                      # per row: True if it reached max_tokens without sampling a stop token
+    logprobs: list | None = None   # per completion token, its log-prob under the sampler (0 for tool output)
+    stats: dict = field(default_factory=dict)   # the call's counters (`new_stats`)
 
     def __iter__(self):
         return iter((self.sequences, self.masks))
@@ -268,17 +266,16 @@ class Completions:
 
     @classmethod
     def start(cls, n_prompts: int, num_samples: int) -> "Completions":
-        "An empty record for a call about to decode."
+        "An empty record for a call about to decode: every row cut until it samples a stop token."
         n_rows = n_prompts * num_samples
-        return cls([], [], [], [None] * n_rows, new_stats(n_prompts, n_rows))
+        return cls([], [], [True] * n_rows, [], new_stats(n_prompts, n_rows))
 
-    @classmethod
-    def of(cls, result) -> "Completions":
-        "An engine's result as Completions: itself, or a stand-in's plain (sequences, masks), reporting nothing."
-        if isinstance(result, cls):
-            return result
-        sequences, masks = result
-        return cls(sequences, masks, None, [None] * len(sequences), {})
+    def without_stops(self) -> "Completions":
+        "The rows as nanochat's `generate_batch` returns them: each stopped row without its stop token."
+        ends = [len(s) - (not c) for s, c in zip(self.sequences, self.cut)]
+        logprobs = self.logprobs and [lp[:len(lp) - (not c)] for lp, c in zip(self.logprobs, self.cut)]
+        return Completions([s[:e] for s, e in zip(self.sequences, ends)], [m[:e] for m, e in zip(self.masks, ends)],
+                           self.cut, logprobs, self.stats)
 
 
 # %% ../nbs/06_engine.ipynb #7249bdbb
@@ -329,10 +326,6 @@ def advance_rows(self: Engine, rows, states, col, masks, busy, retire, stats):
 
 
 # %% ../nbs/06_engine.ipynb #cc21dab3
-def sampler_of(temperature: float, top_k: int | None = None) -> Sampler | None:
-    "The distribution of a request's `temperature` and `top_k` (<= 0 or None: all): a `Sampler`, None for greedy."
-    return Sampler(temperature, top_k if top_k and top_k > 0 else None) if temperature > 0 else None
-
 @patch
 def decode_steps(self: Engine, prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, retire, gen):
     "`decode_loop`, inside the block the model's fast paths open for a call when switched on (`13_speedups`)."
@@ -343,10 +336,9 @@ def decode_steps(self: Engine, prompts, num_samples, max_tokens, sampler, min_ne
 @patch
 @torch.no_grad()
 def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, retire, gen):
-    "The decoding loop: yields (row ids, tokens, masks, log-probs) per step, filling `gen`'s stops and counters."
+    "The decoding loop: yields (row ids, tokens, masks, log-probs) per step, filling `gen`'s cut and counters."
     model, device = self.model, self.model.get_device()
-    n_rows = len(prompts) * num_samples
-    stats, stops = gen.stats, gen.stops          # stops: per row (stop id, its log-prob) once the row samples its stop
+    n_rows, stats = len(prompts) * num_samples, gen.stats
     if max_tokens == 0:
         return
     cache = _new_cache(model, n_rows, max(len(p) for p in prompts) + max_tokens)
@@ -359,17 +351,14 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
         raw = model.unembed(h, softcap=False)                                           # (b, V)
         ids, logps = self.pick_tokens(raw, keys, step, sampler, suppress_stop=step < min_new_tokens)      # (b,) each
         col, lps = ids.tolist(), logps.tolist()                                         # the host syncs of a step
-        masks, forced_used = [1] * len(col), False
+        masks, forced_used, live = [1] * len(col), False, rows       # live: each batch row's row id at this step
         if busy or not self.state_tokens.isdisjoint(col):                              # some row changes state
-            live = list(rows)                                                           # before any retires
+            live = list(rows)                                          # before any retires: a stop is its row's
             forced_used, done, retired = self.advance_rows(rows, states, col, masks, busy, retire, stats)
             n_done, n_dead = n_done + done, n_dead + retired
-            for r, t, lp in zip(live, col, lps):
-                if r >= 0 and stops[r] is None and t in self.stop_tokens and states[r].completed:
-                    stops[r] = (t, lp)
         else:
             stats["sampled_tokens"] += len(rows) - (n_dead if retire else n_done)
-        yield rows, col, masks, lps
+        yield live, col, masks, lps
         if step == max_tokens - 1 or n_done == n_rows:
             break
         x = torch.tensor(col, dtype=torch.long, device=device) if forced_used else ids   # (b,)
@@ -385,6 +374,7 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
         stats["decode_steps"] += 1
         stats["forward_rows"] += len(rows)
     stats["generated_tokens"] = stats["sampled_tokens"] + stats["forced_tokens"]
+    gen.cut[:] = [not s.completed for s in states]
 
 
 # %% ../nbs/06_engine.ipynb #ca00eba6
@@ -392,8 +382,8 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
 def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
              min_new_tokens=0):
     "Stream (token_column, token_masks), num_samples tokens per step, like nanochat (finished rows keep decoding)."
-    max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, temperature, [seed])
-    sampler, gen = sampler_of(temperature, top_k), Completions.start(1, num_samples)
+    max_tokens, seeds = self.check_request([tokens], num_samples, max_tokens, [seed])
+    sampler, gen = Sampler.of(temperature, top_k), Completions.start(1, num_samples)
     for _, col, masks, _ in self.decode_steps([tokens], num_samples, max_tokens, sampler, min_new_tokens, seeds, False,
                                               gen):
         yield col, masks
@@ -401,11 +391,11 @@ def generate(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1
 @patch
 def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                   min_new_tokens=0):
-    "num_samples completions of each prompt in one batch, grouped by prompt: `Completions`."
-    max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
+    "num_samples completions of each prompt in one batch, grouped by prompt, stop tokens kept: `Completions`."
+    max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, seed)
     out = [[] for _ in range(len(prompts) * num_samples)]
     out_masks, out_logps = [[] for _ in range(len(out))], [[] for _ in range(len(out))]
-    sampler, gen = sampler_of(temperature, top_k), Completions.start(len(prompts), num_samples)
+    sampler, gen = Sampler.of(temperature, top_k), Completions.start(len(prompts), num_samples)
     steps = self.decode_steps(prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, True, gen)
     for rows, col, masks, lps in steps:
         for r, t, m, lp in zip(rows, col, masks, lps):
@@ -421,8 +411,9 @@ def generate_many(self: Engine, prompts, num_samples=1, max_tokens=None, tempera
 @patch
 def generate_batch(self: Engine, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                    min_new_tokens=0):
-    "nanochat's generate_batch: num_samples completions of one prompt, `Completions`."
-    return self.generate_many([tokens], num_samples, max_tokens, temperature, top_k, [seed], min_new_tokens)
+    "nanochat's generate_batch: num_samples completions of one prompt, each without its stop token as in nanochat."
+    return self.generate_many([tokens], num_samples, max_tokens, temperature, top_k, [seed],
+                              min_new_tokens).without_stops()
 
 @patch
 def sampling_context(self: Engine, model):

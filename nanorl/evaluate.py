@@ -67,7 +67,7 @@ EVAL_SAMPLING = Sampling(num_samples=8)  # nanochat's pass@k: 8 samples, 256 new
 
 def sample_outcomes(engine, tokenizer, task, indices, sampling: Sampling = EVAL_SAMPLING, seed: int = 42,
                     prompts_per_batch: int = 8, progress: bool = False) -> "PassAtK":
-    "Whether each sample of each listed problem is correct, and whether it stopped before the token limit."
+    "Whether each sample of the listed problems is correct, and whether it stopped (not `cut`, as in training)."
     indices, num_samples = list(indices), sampling.num_samples
     out = torch.zeros(len(indices), num_samples, dtype=torch.bool)         # (P, n)
     stopped = torch.zeros(len(indices), num_samples, dtype=torch.bool)     # (P, n)
@@ -76,14 +76,14 @@ def sample_outcomes(engine, tokenizer, task, indices, sampling: Sampling = EVAL_
         batch = indices[start:start + prompts_per_batch]
         conversations = [task[i] for i in batch]
         prompts = [prompt_ids(tokenizer, c) for c in conversations]
-        seqs, _ = engine.generate_many(prompts, seed=[problem_seed(seed, i) for i in batch], **sampling.engine_args())
-        if len(seqs) != len(prompts) * num_samples:
-            raise ValueError(f"engine returned {len(seqs)} sequences, expected {len(prompts)} x {num_samples}")
-        for j, seq in enumerate(seqs):
+        gen = engine.generate_many(prompts, seed=[problem_seed(seed, i) for i in batch], **sampling.engine_args())
+        if len(gen.sequences) != len(prompts) * num_samples:
+            raise ValueError(f"engine returned {len(gen.sequences)} sequences, expected {len(prompts)} x {num_samples}")
+        for j, (seq, cut) in enumerate(zip(gen.sequences, gen.cut)):
             p = j // num_samples
-            text = completion_text(tokenizer, seq, len(prompts[p]), conversations[p])
+            text = completion_text(tokenizer, seq, len(prompts[p]), conversations[p], stopped=not cut)
             out[start + p, j % num_samples] = bool(task.evaluate(conversations[p], text))
-            stopped[start + p, j % num_samples] = len(seq) - len(prompts[p]) < sampling.max_new_tokens
+            stopped[start + p, j % num_samples] = not cut
         bar.update(len(batch))
     bar.close()
     return PassAtK(out, stopped=stopped)
@@ -94,7 +94,7 @@ class PassAtK:
     "Per-sample outcomes of an evaluation (problems x samples) and the pass@k estimates derived from them."
     outcomes: torch.Tensor                       # (P, n) bool
     ks: tuple = ()
-    stopped: torch.Tensor | None = None          # (P, n) bool: the sample ended before the token limit
+    stopped: torch.Tensor | None = None          # (P, n) bool: the sample sampled its stop token (not cut)
 
     def __post_init__(self):
         n = self.outcomes.shape[1]

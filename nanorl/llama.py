@@ -15,7 +15,7 @@ from fastcore.basics import patch
 
 from . import model as gpt
 from .model import KVCache, Linear, apply_rotary
-from .chat import ChatTokenizer, read_json   # ChatTokenizer: importable from nanorl.llama as well
+from .chat import read_json
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'MAX_POSITIONS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE', 'Llama3Scaling',

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_model.ipynb #e9836ee2
 from __future__ import annotations
-import math
+import math, numbers
 import warnings
 from dataclasses import dataclass
 import torch
@@ -15,7 +15,7 @@ from .optim import Muon, MultiOptimizer
 # %% auto #0
 __all__ = ['GENERATIONS', 'NANOCHAT_CONFIG_KEYS', 'SMEAR_CHANNELS', 'VE_GATE_CHANNELS', 'VE_GATE_SCALE', 'Generation',
            'GPTConfig', 'norm', 'rotary_tables', 'apply_rotary', 'window_sizes', 'has_value_embed', 'attention_mask',
-           'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'Sampler']
+           'Linear', 'CausalSelfAttention', 'MLP', 'Block', 'KVCache', 'GPT', 'check_sampling', 'Sampler']
 
 # %% ../nbs/02_model.ipynb #50689715
 @dataclass(frozen=True)
@@ -436,21 +436,41 @@ def forward(self: GPT, idx, targets=None, kv_cache=None, loss_reduction="mean", 
 GPT.unembed, GPT.forward = unembed, forward
 
 # %% ../nbs/02_model.ipynb #6a40f22b
+def check_sampling(temperature, top_k, names=("temperature", "top_k")):
+    "Raise a ValueError naming `names` unless temperature >= 0 (0: greedy) and top_k is None or an integer >= 0."
+    if not temperature >= 0:                                                                  # nan too
+        raise ValueError(f"{names[0]} must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and not (isinstance(top_k, numbers.Integral) and top_k >= 0):
+        raise ValueError(f"{names[1]} must be >= 0 (0 or None: the whole vocabulary), got {top_k!r}")
+
 @dataclass(frozen=True)
 class Sampler:
     "The distribution tokens are drawn from: softmax(logits / temperature) over the top_k largest logits (None: all)."
     temperature: float = 1.0
-    top_k: int | None = None
+    top_k: int | None = None           # 0 is stored as None: the whole vocabulary
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"a sampler's temperature must be > 0, got {self.temperature}")
+        check_sampling(self.temperature, self.top_k)
+        if self.temperature == 0:
+            raise ValueError("a sampler's temperature must be > 0: 0 is greedy decoding (`Sampler.of` gives None)")
+        object.__setattr__(self, "top_k", self.top_k or None)
+
+    @classmethod
+    def of(cls, temperature: float, top_k: int | None = None) -> Sampler | None:
+        "The checked distribution of a request's temperature and top_k: a `Sampler`, or None (greedy) at 0."
+        check_sampling(temperature, top_k)
+        return cls(temperature, top_k) if temperature > 0 else None
+
+    def candidates(self, vocab_size: int) -> int | None:
+        "How many of `vocab_size` tokens a draw chooses among: top_k, or None when that is all of them."
+        return self.top_k if self.top_k is not None and self.top_k < vocab_size else None
 
     def top(self, scaled, keep=None):
         "(values, ids) (..., k) of the k largest of `scaled` (..., V), `keep` (...) put in k-th place; None: no top-k."
-        if not self.top_k or self.top_k >= scaled.size(-1):
+        k = self.candidates(scaled.size(-1))
+        if k is None:
             return None
-        vals, idx = scaled.topk(self.top_k, dim=-1)                                           # (..., k) each
+        vals, idx = scaled.topk(k, dim=-1)                                                    # (..., k) each
         if keep is not None:                         # a sampled token just outside: it takes the k-th place
             t = keep.clamp(min=0).unsqueeze(-1)                                                # (..., 1)
             outside = ~(idx == t).any(-1, keepdim=True)                                       # (..., 1)

@@ -9,12 +9,11 @@ __all__ = ['problem_seed', 'sample_seeds', 'step_examples', 'Sampling', 'Rollout
 
 # %% ../nbs/10_rollout.ipynb #a5efe9b6
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from .engine import Completions
 from .model import Sampler
 
 
@@ -48,27 +47,27 @@ class Sampling:
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_k: int | None = 50      # None or 0: the full vocabulary
+    sampler: Sampler | None = field(init=False, repr=False, compare=False)   # `--logp sampler` trains it; None: greedy
 
-    @property
-    def sampler(self) -> Sampler:
-        "The distribution every token is drawn from, the one `--logp sampler` trains (`11_loss`)."
-        return Sampler(self.temperature, self.top_k or None)
+    def __post_init__(self):
+        object.__setattr__(self, "sampler", Sampler.of(self.temperature, self.top_k))      # checked here, once
 
     def engine_args(self) -> dict:
-        "Keyword arguments of `Engine.generate_many` for these settings."
-        return dict(num_samples=self.num_samples, max_tokens=self.max_new_tokens, temperature=self.temperature,
-                    top_k=self.top_k or None)
+        "Keyword arguments of `Engine.generate_many`: these settings, with the sampler's temperature and top-k."
+        s = self.sampler
+        return dict(num_samples=self.num_samples, max_tokens=self.max_new_tokens,
+                    temperature=s.temperature if s else 0.0, top_k=s.top_k if s else None)
 
 @dataclass
 class Rollout:
     "The samples of one step on one rank, rows prompt-major: a group of `num_samples` rows per problem."
     prompts: list         # one token list per problem
-    sequences: list       # num_problems * num_samples token lists: prompt + completion
-    masks: list           # like sequences: 1 where the token was sampled, 0 for prompt and tool output
+    sequences: list       # num_problems * num_samples token lists: prompt + completion, ended by a sampled stop
+    masks: list           # like sequences: 1 where the token was sampled (a stop too), 0 for prompt and tool output
+    cut: list             # per row: True if the token limit ended it before a stop token (the engine's report)
     tool_calls: int       # calculator calls over all samples
     rows_per_call: int    # rows per engine call at the end (smaller after an out-of-memory retry)
     logprobs: list | None = None   # like sequences: the sampler's log-prob of each sampled token, 0 elsewhere
-    stops: list | None = None      # per row: (stop id, its log-prob) if the row sampled its stop token, else None
 
     @property
     def num_samples(self) -> int:
@@ -81,13 +80,7 @@ class Rollout:
 
     def lengths(self) -> list[int]:
         "Each row's completion length in tokens (tool output included, the stop token not)."
-        return [len(s) - len(self.prompts[self.group(r)]) for r, s in enumerate(self.sequences)]
-
-    def truncated(self, max_new_tokens: int | None) -> torch.Tensor:
-        "(B,) bool: the rows cut by the token limit before they sampled a stop token (none without a limit)."
-        cut = [max_new_tokens is not None and (not self.stops or self.stops[r] is None) and n >= max_new_tokens
-               for r, n in enumerate(self.lengths())]
-        return torch.tensor(cut, dtype=torch.bool)
+        return [len(s) - len(self.prompts[self.group(r)]) - (not self.cut[r]) for r, s in enumerate(self.sequences)]
 
 # %% ../nbs/10_rollout.ipynb #368038bd
 def assistant_prefix(conversation) -> str:
@@ -132,11 +125,10 @@ def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_row
     prompts = [prompt_ids(tokenizer, task[i]) for i in indices]
     n = sampling.num_samples
     per_call = max(1, max_rows // n)
-    sequences, masks, logprobs, stops, tool_calls, j = [], [], [], [], 0, 0
+    sequences, masks, logprobs, cut, tool_calls, j = [], [], [], [], 0, 0
     while j < len(prompts):
         try:
-            gen = Completions.of(engine.generate_many(prompts[j:j + per_call], seed=seeds[j:j + per_call],
-                                                     **sampling.engine_args()))
+            gen = engine.generate_many(prompts[j:j + per_call], seed=seeds[j:j + per_call], **sampling.engine_args())
         except torch.OutOfMemoryError as e:
             per_call = halve_after_oom(per_call, n, e)
             continue
@@ -144,11 +136,11 @@ def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_row
         masks += gen.masks
         sampled = gen.logprobs or [None] * len(gen.sequences)                   # None: no log-probs reported
         logprobs += [None if lp is None else [0.0] * (len(s) - len(lp)) + lp for s, lp in zip(gen.sequences, sampled)]
-        stops += gen.stops
+        cut += gen.cut
         j += per_call
         tool_calls += gen.stats.get("tool_calls", 0)
     logprobs = logprobs if None not in logprobs else None
-    return Rollout(prompts, sequences, masks, tool_calls, per_call * n, logprobs, stops)
+    return Rollout(prompts, sequences, masks, cut, tool_calls, per_call * n, logprobs)
 
 def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollout",
                     flags: str = "--num-samples or --max-new-tokens") -> int:
@@ -164,15 +156,14 @@ def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollo
 
 # %% ../nbs/10_rollout.ipynb #d0055f73
 def trained_rows(batch: Rollout, rows, train_stop: bool = True, untrained=None):
-    "(sequences, masks, log-probs) of `rows` as trained: stop token added if train_stop, no token of `untrained` rows."
+    "(sequences, masks, log-probs) of `rows` as trained: the stop token only if train_stop, no token of `untrained`."
     seqs, masks, logps = [], [], []
     for r in rows:
-        stop = batch.stops[r] if train_stop and batch.stops else None
-        tail = ([stop[0]], [1], [stop[1]]) if stop else ([], [], [])
-        seqs.append(list(batch.sequences[r]) + tail[0])
-        mask = list(batch.masks[r]) + tail[1]
+        end = len(batch.sequences[r]) - (not train_stop and not batch.cut[r])   # nanochat's rows: no stop token
+        seqs.append(list(batch.sequences[r][:end]))
+        mask = list(batch.masks[r][:end])
         masks.append([0] * len(mask) if untrained is not None and untrained[r] else mask)   # untrained: (B,) bool
-        logps.append(list(batch.logprobs[r]) + tail[2] if batch.logprobs else None)
+        logps.append(list(batch.logprobs[r][:end]) if batch.logprobs else None)
     return seqs, masks, logps
 
 def collate_logprobs(logprobs, device="cpu"):
@@ -196,9 +187,9 @@ def collate(sequences, masks, pad_id: int, device="cpu"):
     return inputs.to(device), targets.to(device)
 
 # %% ../nbs/10_rollout.ipynb #2e2c32de
-def completion_text(tokenizer, seq, prompt_len: int, conversation=None) -> str:
-    "The assistant's text of one sampled row: `conversation`'s assistant prefix, then the tokens after the prompt."
-    tail = seq[prompt_len:]
+def completion_text(tokenizer, seq, prompt_len: int, conversation=None, stopped: bool = False) -> str:
+    "A sampled row's text: the assistant prefix, then the tokens after the prompt, the stop of a `stopped` row not."
+    tail = seq[prompt_len:len(seq) - stopped]
     return assistant_prefix(conversation) + tokenizer.decode(tail.tolist() if hasattr(tail, "tolist") else list(tail))
 
 # %% ../nbs/10_rollout.ipynb #659cd3d2

@@ -67,17 +67,16 @@ class Scores:
     advantages: torch.Tensor    # (B,)
     zero_signal: torch.Tensor   # (G,) bool: every reward of the group is equal
     terms: dict                 # reward term -> sum over rows (only when the task's shaping is on)
-    truncated: torch.Tensor     # (B,) bool: cut by the token limit before its stop token
+    truncated: torch.Tensor     # (B,) bool: cut by the token limit before its stop token (the engine's `cut`)
 
-def score(tokenizer, task, indices, batch: Rollout, settings: LossSettings = LossSettings(),
-          max_new_tokens: int | None = None) -> Scores:
+def score(tokenizer, task, indices, batch: Rollout, settings: LossSettings = LossSettings()) -> Scores:
     "Judge every sample of `batch` with the task (cut rows get reward 0 if truncated='zero'); advantages per group."
     conversations = [task[i] for i in indices]
     shaping = getattr(task, "shaping_on", False)
     rewards, terms = [], {}
     for row, seq in enumerate(batch.sequences):
         g = batch.group(row)
-        text = completion_text(tokenizer, seq, len(batch.prompts[g]), conversations[g])
+        text = completion_text(tokenizer, seq, len(batch.prompts[g]), conversations[g], stopped=not batch.cut[row])
         if not shaping:
             rewards.append(checked_reward(task.reward(conversations[g], text), task))
             continue
@@ -86,7 +85,7 @@ def score(tokenizer, task, indices, batch: Rollout, settings: LossSettings = Los
             terms[k] = terms.get(k, 0.0) + v
         rewards.append(float(sum(parts.values())))
     rewards = torch.tensor(rewards, dtype=torch.float32)                     # (B,)
-    cut = batch.truncated(max_new_tokens)                                    # (B,)
+    cut = torch.tensor(batch.cut, dtype=torch.bool)                          # (B,)
     if settings.truncated == "zero":
         rewards = rewards.masked_fill(cut, 0.0)
     n = batch.num_samples
@@ -164,8 +163,8 @@ def learn(policy: Policy, batch: Rollout, scores: Scores, sampling: Sampling, se
                                  policy.device, policy.world_size)                # skipped passes count too
     if settings.skip_zero_signal:
         passes = [p for p in passes if not scores.zero_signal[p.group]]
-    trained = [r for p in passes for r in p.rows.tolist()] if settings.train_stop and batch.stops else []
-    stopped = [r for r in trained if batch.stops[r] is not None]                 # rows whose stop token is trained
+    trained = [r for p in passes for r in p.rows.tolist()] if settings.train_stop else []
+    stopped = [r for r in trained if not batch.cut[r]]                           # rows whose stop token is trained
     sums = backward_passes(policy, passes, scores.advantages.to(policy.device), sampling, settings, normalizer)
     return sums | {"stop_trained": len(stopped), "stop_adv": scores.advantages[stopped].sum().item(),
                    "gap_measured": batch.logprobs is not None}

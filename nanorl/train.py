@@ -152,7 +152,7 @@ class Trainer:
             self.fit_rollout_rows(batch)
             t1 = time.perf_counter()
             peaks.mark("mem_rollout_gib")
-            scores = score(self.tokenizer, self.train_task, indices, batch, self.settings, cfg.max_new_tokens)
+            scores = score(self.tokenizer, self.train_task, indices, batch, self.settings)
             t2 = time.perf_counter()
             stats = learn(self.policy, batch, scores, sampling, self.settings)
         grad_norm = update(self.policy, self.optimizer, lrm)

@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from fastcore.basics import patch
 from .checkpoint import check_hf_folder, save_hf_checkpoint, ties_embeddings
+from .chat import ChatTokenizer
 from .engine import Completions, check_generation, new_stats, row_key, stop_token_ids
-from .llama import ChatTokenizer
+from .model import Sampler
 
 # %% auto #0
 __all__ = ['VLLM_CPU_INSTALL', 'SYNC_WAYS', 'ENGINES', 'PROMPT_ALLOWANCE', 'KV_CACHE_CAP', 'import_vllm', 'kept_process_state',
-           'copy_hf_folder', 'VLLMEngine', 'split_completion', 'repack_embedding_gemms', 'hf_weights',
+           'copy_hf_folder', 'VLLMEngine', 'read_completion', 'repack_embedding_gemms', 'hf_weights',
            'check_engine_settings', 'decoder_shape', 'kv_cache_bytes', 'engine_weights', 'check_cpu_head_size',
            'rollout_engine']
 
@@ -94,29 +95,28 @@ class VLLMEngine:
 
 # %% ../nbs/15_vllm_engine.ipynb #1adf203e
 @patch
-def check_request(self: VLLMEngine, prompts, num_samples, max_tokens, temperature, seed):
+def check_request(self: VLLMEngine, prompts, num_samples, max_tokens, seed):
     "Validate a generation request as `Engine` does; returns (max_tokens, one seed per prompt)."
     positions = ((self.max_model_len, "max_model_len"), (self.max_model_len, "vLLM's max_model_len"))
-    return check_generation(prompts, num_samples, max_tokens, temperature, seed, positions)
+    return check_generation(prompts, num_samples, max_tokens, seed, positions)
 
 # %% ../nbs/15_vllm_engine.ipynb #fef0ecf6
 @patch
-def sampling_params(self: VLLMEngine, max_tokens, temperature, top_k, seed, min_new_tokens=0):
+def sampling_params(self: VLLMEngine, max_tokens, sampler: Sampler | None, seed, min_new_tokens=0):
     "vLLM's SamplingParams of one row: nanorl's stop tokens, the sampled token's processed log-prob, ids only."
     from vllm import SamplingParams
-    top_k = top_k if top_k is not None and 0 < top_k < self.vocab_size else 0     # 0: the whole vocabulary
+    temperature = sampler.temperature if sampler else 0.0
+    top_k = (sampler and sampler.candidates(self.vocab_size)) or 0                # 0: the whole vocabulary
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
                           stop_token_ids=sorted(self.stop_tokens), ignore_eos=True, min_tokens=min_new_tokens,
                           logprobs=0, detokenize=False)
 
 # %% ../nbs/15_vllm_engine.ipynb #4d2a5e25
-def split_completion(token_ids, logprobs, stopped, stops):
-    "(completion ids, their log-probs, (stop id, log-prob) or None) of one vLLM completion; the stop token leaves it."
+def read_completion(token_ids, logprobs, finish_reason, stops):
+    "(completion ids, their log-probs, cut) of one vLLM completion; a stop token it sampled stays, last."
     ids = list(token_ids)
     lps = [float(step[t].logprob) for step, t in zip(logprobs, ids)]   # one {id: Logprob} per position
-    if stopped and ids and ids[-1] in stops:
-        return ids[:-1], lps[:-1], (ids[-1], lps[-1])
-    return ids, lps, None
+    return ids, lps, not (finish_reason == "stop" and ids and ids[-1] in stops)
 
 # %% ../nbs/15_vllm_engine.ipynb #e320b4d6
 @patch
@@ -124,25 +124,26 @@ def generate_many(self: VLLMEngine, prompts, num_samples=1, max_tokens=None, tem
                   min_new_tokens=0):
     "num_samples completions of each prompt through vLLM, grouped by prompt: `Completions`, as `Engine`'s."
     from vllm.inputs import TokensPrompt
-    max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, temperature, seed)
+    max_tokens, seeds = self.check_request(prompts, num_samples, max_tokens, seed)
+    sampler = Sampler.of(temperature, top_k)
     rows = [(p, row_key(s, j)) for p, s in enumerate(seeds) for j in range(num_samples)]   # (prompt, row seed)
     stats, start = new_stats(len(prompts), len(rows)), time.perf_counter()
-    outs, computed = [([], [], None)] * len(rows), 0
+    outs, computed = [([], [], True)] * len(rows), 0
     if max_tokens > 0:
         requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in rows]
-        params = [self.sampling_params(max_tokens, temperature, top_k, key, min_new_tokens) for _, key in rows]
+        params = [self.sampling_params(max_tokens, sampler, key, min_new_tokens) for _, key in rows]
         with kept_process_state():
             results = self.llm.generate(requests, params, use_tqdm=False)
         firsts = [r.outputs[0] for r in results]
-        outs = [split_completion(o.token_ids, o.logprobs, o.finish_reason == "stop", self.stop_tokens) for o in firsts]
+        outs = [read_completion(o.token_ids, o.logprobs, o.finish_reason, self.stop_tokens) for o in firsts]
         computed = sum(len(r.prompt_token_ids) - (r.num_cached_tokens or 0) for r in results)
     sequences = [list(prompts[p]) + ids for (p, _), (ids, _, _) in zip(rows, outs)]
     masks = [[0] * len(prompts[p]) + [1] * len(ids) for (p, _), (ids, _, _) in zip(rows, outs)]
-    logprobs, stops = [lps for _, lps, _ in outs], [stop for _, _, stop in outs]
-    sampled = sum(len(ids) for ids, _, _ in outs)
+    logprobs, cut = [lps for _, lps, _ in outs], [c for _, _, c in outs]
+    sampled = sum(len(ids) - (not c) for ids, _, c in outs)             # stop tokens apart, as `Engine` counts them
     stats.update(prefill_tokens=computed, sampled_tokens=sampled, generated_tokens=sampled,
-                 finished_rows=sum(s is not None for s in stops), generate_seconds=time.perf_counter() - start)
-    return Completions(sequences, masks, logprobs, stops, stats)
+                 finished_rows=cut.count(False), generate_seconds=time.perf_counter() - start)
+    return Completions(sequences, masks, cut, logprobs, stats)
 
 # %% ../nbs/15_vllm_engine.ipynb #93067dd7
 def repack_embedding_gemms(worker):

@@ -195,15 +195,19 @@ class ToyTask:
 class ToyEngine:
     "Right with probability difficulty/10, drawn from (prompt seed, sample index) only, as the real engine promises."
 
+    STOP = 9  # every reply is one answer token, then this stop token
+
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
+        from nanorl.engine import Completions
+
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         seqs = []
         for prompt, s in zip(prompts, seeds):
             difficulty, answer = prompt
             for j in range(num_samples):
                 right = random.Random(s * 1_000_003 + j).random() < difficulty / 10
-                seqs.append(prompt + [answer if right else (answer + 1) % 7])
-        return seqs, [[0, 0, 1] for _ in seqs]
+                seqs.append(prompt + [answer if right else (answer + 1) % 7, self.STOP])
+        return Completions(seqs, [[0, 0, 1, 1] for _ in seqs], cut=[False] * len(seqs))
 
 
 # ---------------------------------------------------------------- a tiny trained model: the demo's SFT checkpoint
@@ -544,15 +548,17 @@ def tiny_chat_tokenizer(family, folder):
 
 
 class ReplyEngine:
-    "Stand-in engine: every sample continues its prompt with the tokens of one reply (mask 0 on the prompt, 1 after)."
+    "Stand-in engine: every sample continues its prompt with the tokens of one reply and <|assistant_end|> (mask 1)."
 
     def __init__(self, tokenizer, reply):
-        self.reply = tokenizer.encode(reply)
+        self.reply = tokenizer.encode(reply) + [tokenizer.encode_special("<|assistant_end|>")]
 
     def generate_many(self, prompts, num_samples=1, seed=None, **kw):
+        from nanorl.engine import Completions
+
         seqs = [list(p) + self.reply for p in prompts for _ in range(num_samples)]
         masks = [[0] * len(p) + [1] * len(self.reply) for p in prompts for _ in range(num_samples)]
-        return seqs, masks
+        return Completions(seqs, masks, cut=[False] * len(seqs))
 
 
 SMALL_RUN = dict(

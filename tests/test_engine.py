@@ -273,11 +273,12 @@ def test_retirement_and_batching_change_nothing(tok, tool_model, prompt):
     assert_sampled_agrees(eng, prompts, many, eng.generate_many(prompts, **kw), **kw)
     eng.compact_fraction = 0.0  # compact at every finish
     assert_sampled_agrees(eng, prompts, many, eng.generate_many(prompts, **kw), **kw)
-    singles = [eng.generate_batch(p, 4, 24, top_k=50, seed=s) for p, s in zip(prompts, [1, 2, 3])]
+    singles = [eng.generate_many([p], 4, 24, top_k=50, seed=s) for p, s in zip(prompts, [1, 2, 3])]
     one_by_one = [s for q, _ in singles for s in q], [m for _, ms in singles for m in ms]
     assert_sampled_agrees(eng, prompts, many, one_by_one, **kw)
-    # one run's own counts: exact
-    assert stats["sampled_tokens"] + stats["forced_tokens"] == sum(len(s) for s in many[0]) - 4 * sum(map(len, prompts))
+    # one run's own counts: exact (a row's stop token is counted as its finish)
+    new_tokens = sum(len(s) for s in many[0]) - 4 * sum(map(len, prompts))
+    assert stats["sampled_tokens"] + stats["forced_tokens"] + stats["finished_rows"] == new_tokens
 
 
 def test_determinism_min_new_tokens_and_errors(tok, tool_model, prompt):
@@ -447,3 +448,58 @@ def test_pick_tokens_leaves_its_input_alone(tok, tool_model):
     eng.pick_tokens(raw, torch.arange(3), 0, Sampler(1.0, 50), suppress_stop=True)
     eng.pick_tokens(raw, torch.arange(3), 0, Sampler(1.0), suppress_stop=True)
     assert torch.equal(raw, before)
+
+
+# ---------------------------------------------------------------- the stop token: kept by generate_many, one `cut`
+def test_stopped_rows_end_with_their_stop_token_cut_rows_have_none(tok, tool_model, prompt):
+    """generate_many keeps a sampled stop token last in its row, mask 1, its log-prob the sampler's; a row without one
+    is `cut`, at max_tokens; generate_batch gives the same rows without the stop token, as nanochat's rows are."""
+    T, k, P = 0.9, 50, len(prompt)
+    bias = tool_bias(tok)
+    bias[tok.encode_special("<|assistant_end|>")] += 2.0  # about half the rows stop within 24 tokens
+    model = BiasedModel(tool_model.base, bias)
+    eng = Engine(model, tok)
+    gen = eng.generate_many([prompt], 8, 24, temperature=T, top_k=k, seed=1)
+    for seq, mask, lps, cut in zip(gen.sequences, gen.masks, gen.logprobs, gen.cut):
+        stops = [j for j, t in enumerate(seq[P:]) if t in eng.stop_tokens]
+        assert len(lps) == len(seq) - P
+        if cut:
+            assert stops == [] and len(seq) - P == 24
+            continue
+        assert stops == [len(seq) - P - 1] and mask[-1] == 1
+        with torch.no_grad():
+            z = model(torch.tensor([seq[:-1]]))[0, -1]  # (V,): softcapped logits before the stop token
+        want = torch.log_softmax(Sampler(T, k).logits(z), -1)[seq[-1]].item()
+        assert abs(lps[-1] - want) < 1e-4, (lps[-1], want)
+    assert 0 < gen.cut.count(False) < 8 and gen.stats["forced_tokens"] > 0, "rows that stop, are cut, call the tool"
+    assert gen.stats["finished_rows"] == gen.cut.count(False)
+    batch = eng.generate_batch(prompt, 8, 24, temperature=T, top_k=k, seed=1)
+    ends = [len(s) - (not c) for s, c in zip(gen.sequences, gen.cut)]
+    assert batch == ([s[:e] for s, e in zip(gen.sequences, ends)], [m[:e] for m, e in zip(gen.masks, ends)])
+    assert not any(t in eng.stop_tokens for s in batch.sequences for t in s[P:])  # nanochat's rows: no stop token
+    assert batch.cut == gen.cut and [len(lp) for lp in batch.logprobs] == [e - P for e in ends]
+
+
+def test_temperature_and_top_k_are_checked_in_one_place(tok, tool_model, prompt):
+    "A bad temperature or top-k raises the same error, from the same function, in Sampling, the engine and the CLI."
+    from nanorl.config import Config, validate
+    from nanorl.rollout import Sampling
+
+    eng = Engine(tool_model, tok)
+    for bad, fragment in ((dict(temperature=-1.0), "temperature must be >= 0"), (dict(temperature=float("nan")),
+                          "temperature must be >= 0"), (dict(top_k=-2), "top_k must be >= 0")):
+        raised = []
+        for make in (lambda: Sampling(**bad), lambda: eng.generate_many([prompt], 1, 2, **bad),
+                     lambda: list(eng.generate(prompt, 1, 2, **bad)), lambda: validate(Config(**bad))):
+            with pytest.raises(ValueError) as e:
+                make()
+            tb = e.tb
+            while tb.tb_next:
+                tb = tb.tb_next
+            assert tb.tb_frame.f_code.co_name == "check_sampling", tb.tb_frame.f_code  # the one check raised it
+            raised.append(str(e.value))
+        assert raised[0] == raised[1] == raised[2] and fragment in raised[0], raised
+        assert raised[3] == "--" + raised[0].replace("top_k", "top-k"), raised  # the CLI's names the flag
+    s = Sampling(temperature=0.7, top_k=0)
+    assert s.sampler == Sampler(0.7) and s.engine_args()["top_k"] is None  # top-k 0: the whole vocabulary, once
+    assert Sampling(temperature=0.0).sampler is None and Sampling(temperature=0.0).engine_args()["temperature"] == 0

@@ -55,28 +55,27 @@ def test_engine_logprobs_are_the_samplers(demo, temperature, top_k):
     gen = eng.generate_many(prompts, 4, 48, temperature=temperature, top_k=top_k, seed=[1, 2])
     seqs, masks = gen
     checked, stopped, forced = 0, 0, 0
-    for r, (seq, m, lps, stop) in enumerate(zip(seqs, masks, gen.logprobs, gen.stops)):
+    for r, (seq, m, lps, cut) in enumerate(zip(seqs, masks, gen.logprobs, gen.cut)):
         P = len(prompts[r // 4])
         assert len(lps) == len(seq) - P
-        full, got = seq + ([stop[0]] if stop else []), lps + ([stop[1]] if stop else [])
-        sampled = m[P:] + ([1] if stop else [])
-        want = sampler_logp(model, full, temperature, top_k)[P - 1 :] if temperature else torch.zeros(len(got))
-        for g, w, s in zip(got, want.tolist(), sampled):
+        assert cut == (seq[-1] not in eng.stop_tokens) and (cut or m[-1] == 1)  # a stopped row ends with its stop
+        want = sampler_logp(model, seq, temperature, top_k)[P - 1 :] if temperature else torch.zeros(len(lps))
+        for g, w, s in zip(lps, want.tolist(), m[P:]):
             if s:
                 assert abs(g - w) < GAP, (r, g, w)
                 checked += 1
             else:
                 assert g == 0.0, "forced tool output was not sampled: no log-prob"
                 forced += 1
-        stopped += stop is not None
+        stopped += not cut
     assert stopped > 0 and forced > 0 and checked > 100, (stopped, forced, checked)
-    assert all(stop is None or stop[0] == tok.encode_special("<|assistant_end|>") for stop in gen.stops)
+    assert all(cut or seq[-1] == tok.encode_special("<|assistant_end|>") for seq, cut in zip(seqs, gen.cut))
 
 
 def sampled_batch(model, tok, temperature=0.7, top_k=3):
     "Two rows sampled at (temperature, top_k) from the fixture model, as (inputs, targets) of a training pass."
     prompt = tok.encode("The answer is", prepend="<|bos|>")
-    seqs, masks = Engine(model, tok).generate_many([prompt], 3, 9, temperature=temperature, top_k=top_k, seed=5)
+    seqs, masks = Engine(model, tok).generate_batch(prompt, 3, 9, temperature=temperature, top_k=top_k, seed=5)
     return collate(seqs, masks, pad_id=tok.encode_special("<|assistant_end|>"))
 
 
@@ -131,9 +130,9 @@ def test_stop_token_logprob_moves_with_its_advantage(demo):
     model, tok, prompts, task = demo
     sampling = Sampling(num_samples=4, max_new_tokens=48, temperature=1.0, top_k=None)
     batch = rollout(Engine(model, tok), tok, task, [3], sampling, sample_seeds(0, 0, [3]), max_rows=4)
-    assert all(s is not None for s in batch.stops), "the demo model stops within 48 tokens"
-    only_stop = Rollout(batch.prompts, batch.sequences, [[0] * len(m) for m in batch.masks], 0, 4,
-                        batch.logprobs, batch.stops)  # the completion's own tokens untrained: the stop alone
+    assert not any(batch.cut), "the demo model stops within 48 tokens"
+    only_stop = Rollout(batch.prompts, batch.sequences, [[0] * (len(m) - 1) + [1] for m in batch.masks], batch.cut, 0,
+                        4, batch.logprobs)  # the completion's own tokens untrained: the stop alone
     pad = tok.encode_special("<|assistant_end|>")
     for sign in (1.0, -1.0):
         for train_stop in (True, False):

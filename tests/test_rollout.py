@@ -50,7 +50,7 @@ def test_score_with_shaping_judges_each_completion_once():
     rows = [prompts[0] + [ord(c) for c in s] for s in ("ok", "KO")] + [
         prompts[1] + [ord(c) for c in s] for s in ("ok", "ok")
     ]
-    batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], tool_calls=0, rows_per_call=4)
+    batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], cut=[True] * 4, tool_calls=0, rows_per_call=4)
     s = score(tok, task, [0, 1], batch)
     assert task.judged == 4
     assert s.rewards.tolist() == [1.5, 0.0, 1.5, 1.5]

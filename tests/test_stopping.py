@@ -6,10 +6,12 @@ import json
 import pytest
 import torch
 
-from doubles import FIXTURES, SMALL_RUN, base_dir
-from nanorl.evaluate import PassAtK
-from nanorl.rollout import Rollout
+from doubles import FIXTURES, SMALL_RUN, base_dir, demo_sft
+from nanorl.engine import Engine
+from nanorl.evaluate import PassAtK, sample_outcomes
+from nanorl.rollout import Rollout, Sampling, completion_text, problem_seed, rollout
 from nanorl.step import LossSettings, score
+from nanorl.tasks import Arithmetic
 from nanorl.train import Config, lr_multiplier, main, train, validate
 
 DEMO_SFT = dict(device_type="cpu", base_dir=str(FIXTURES / "demo_sft"), model_tag="d3", task="arithmetic",
@@ -17,21 +19,17 @@ DEMO_SFT = dict(device_type="cpu", base_dir=str(FIXTURES / "demo_sft"), model_ta
                 eval_every=2, eval_examples=8, eval_samples=2, save_every=100, num_steps=2, seed=3)
 
 
-def cut_batch(stops=True):
+def cut_batch():
     "Two problems x 2 samples, limit 3: row 0 ran to the limit, row 1 stopped early, row 2 stopped on the limit."
     prompts = [[1, 2], [1, 2, 3]]
-    sequences = [[1, 2, 5, 6, 7], [1, 2, 5], [1, 2, 3, 5, 6, 7], [1, 2, 3, 5, 6, 7]]
+    sequences = [[1, 2, 5, 6, 7], [1, 2, 5, 9], [1, 2, 3, 5, 6, 9], [1, 2, 3, 5, 6, 7]]   # 9: the stop token
     masks = [[0] * len(p) + [1] * (len(s) - len(p)) for s, p in zip(sequences, [prompts[0]] * 2 + [prompts[1]] * 2)]
-    ended = [None, (9, -0.1), (9, -0.2), None] if stops else None
-    return Rollout(prompts, sequences, masks, 0, 4, stops=ended)
+    return Rollout(prompts, sequences, masks, [True, False, False, True], 0, 4)
 
 
-def test_truncated_rows():
-    "A row is cut when it reached the limit without sampling a stop token; without a stop report, by its length alone."
-    assert cut_batch().truncated(3).tolist() == [True, False, False, True]
-    assert cut_batch(stops=False).truncated(3).tolist() == [True, False, True, True]   # the length is all there is
-    assert cut_batch().truncated(4).tolist() == [False] * 4
-    assert cut_batch().truncated(None).tolist() == [False] * 4
+def test_lengths_leave_the_stop_token_out():
+    "A row's length counts its reply, the stop token not: a row stopped on the limit is as long as a cut one."
+    assert cut_batch().lengths() == [3, 1, 2, 3]
 
 
 class AllRight:
@@ -52,7 +50,7 @@ class CharDecoder:
 @pytest.mark.parametrize("policy", ["keep", "mask", "zero"])
 def test_score_truncation_policy(policy):
     "zero: a cut reply earns 0 and the group's advantages follow; keep and mask: rewards as the task gave them."
-    s = score(CharDecoder(), AllRight(), [0, 1], cut_batch(), LossSettings(truncated=policy), max_new_tokens=3)
+    s = score(CharDecoder(), AllRight(), [0, 1], cut_batch(), LossSettings(truncated=policy))
     assert s.truncated.tolist() == [True, False, False, True]
     if policy == "zero":
         assert s.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
@@ -118,3 +116,23 @@ def test_mask_truncated_trains_no_cut_row(tmp_path):
     assert masked["loss"] == 0 and masked["grad_norm"] == 0 and kept["grad_norm"] > 0
     assert all(torch.equal(w_mask[k], w_none[k]) for k in w_none)
     assert any(not torch.equal(w_keep[k], w_none[k]) for k in w_none)
+
+
+def test_evaluation_and_training_agree_on_stopping_and_text():
+    """One rollout read twice: training's stop rate (1 - truncated_frac) and evaluation's eval_stop_rate come from the
+    engine's `cut`, and both judge the text without the stop token, so the same samples give the same numbers."""
+    model, tok = demo_sft()
+    task, indices = Arithmetic(n=64, seed=0, split="train"), list(range(6))
+    sampling = Sampling(num_samples=4, max_new_tokens=24, temperature=1.0, top_k=None)
+    seeds = [problem_seed(42, i) for i in indices]  # evaluation's seeds, so the engine draws the same samples
+    batch = rollout(Engine(model, tok), tok, task, indices, sampling, seeds, max_rows=64)
+    scores = score(tok, task, indices, batch)
+    evaluated = sample_outcomes(Engine(model, tok), tok, task, indices, sampling, seed=42, prompts_per_batch=6)
+    assert 0 < scores.truncated.sum() < len(batch.sequences), "the test needs rows that stop and rows that are cut"
+    assert torch.equal(evaluated.stopped.flatten(), ~scores.truncated)
+    assert evaluated.metrics()["eval_stop_rate"] == pytest.approx(1 - scores.truncated.sum().item() / 24)  # stop_rate
+    assert torch.equal(evaluated.outcomes.flatten().float(), scores.rewards)  # the same texts, judged the same
+    texts = [completion_text(tok, s, len(batch.prompts[batch.group(r)]), stopped=not c)
+             for r, (s, c) in enumerate(zip(batch.sequences, batch.cut))]
+    assert not any("<|assistant_end|>" in t for t in texts) and all(s[-1] == tok.encode_special("<|assistant_end|>")
+                                                                  for s, c in zip(batch.sequences, batch.cut) if not c)

@@ -28,7 +28,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from doubles import gsm8k_chat_conversations, save_tiny_hf_model
 from nanorl.engine import Engine
-from nanorl.llama import ChatTokenizer, load_llama
+from nanorl.chat import ChatTokenizer
+from nanorl.llama import load_llama
 from nanorl.loss import pg_loss, token_logp
 from nanorl.rollout import collate
 from nanorl.config import Config

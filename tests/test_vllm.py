@@ -67,29 +67,32 @@ def completions(seqs, prompts, num_samples):
 
 
 def test_contract_matches_nanorls_engine(engine, nano, prompts):
-    "Rows, prompt prefixes, masks, log-probs, stops and stats have the shapes of nanorl's Engine.generate_many."
+    "Rows, prompt prefixes, masks, log-probs, cut and stats have the shapes of nanorl's Engine.generate_many."
     kw = dict(num_samples=3, max_tokens=12, temperature=1.0, top_k=50, seed=7)
     gen = engine.generate_many(prompts, **kw)
     seqs, masks = gen
     ref_seqs, ref_masks = Engine(*nano).generate_many(prompts, **kw)
     assert len(seqs) == len(masks) == len(ref_seqs) == len(ref_masks) == 9
     for r, (seq, mask) in enumerate(zip(seqs, masks)):
-        prompt, stop, n = prompts[r // 3], gen.stops[r], len(seq) - len(prompts[r // 3])
+        prompt, cut, n = prompts[r // 3], gen.cut[r], len(seq) - len(prompts[r // 3])
         assert seq[: len(prompt)] == prompt == ref_seqs[r][: len(prompt)]
         assert mask == [0] * len(prompt) + [1] * n and ref_masks[r][: len(prompt)] == [0] * len(prompt)
         assert len(gen.logprobs[r]) == n and all(lp <= 0 for lp in gen.logprobs[r])
-        assert not engine.stop_tokens & set(seq[len(prompt) :])
-        assert (stop is None and n == 12) or (stop[0] in engine.stop_tokens and stop[1] <= 0)
+        assert not engine.stop_tokens & set(seq[len(prompt) : -1])  # a stop token only last
+        assert (cut and n == 12 and seq[-1] not in engine.stop_tokens) or (not cut and seq[-1] in engine.stop_tokens)
     stats = gen.stats
     assert stats["tool_calls"] == 0 and stats["rows"] == 9 and stats["prompts"] == 3
-    assert stats["sampled_tokens"] == sum(map(sum, masks))
-    assert stats["finished_rows"] == sum(s is not None for s in gen.stops)
-    assert engine.generate_many(prompts, num_samples=2, max_tokens=0)[0] == [p for p in prompts for _ in range(2)]
+    assert stats["sampled_tokens"] + stats["finished_rows"] == sum(map(sum, masks))
+    assert stats["finished_rows"] == gen.cut.count(False)
+    empty = engine.generate_many(prompts, num_samples=2, max_tokens=0)
+    assert empty[0] == [p for p in prompts for _ in range(2)] and all(empty.cut)
     assert len(engine.generate_many(prompts[:1], max_tokens=2, top_k=10**6)[0]) == 1  # top_k >= vocabulary: all of it
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate_many(prompts, max_tokens=engine.max_model_len)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate_many([prompts[0], []])
+    with pytest.raises(ValueError, match=r"^temperature must be >= 0 \(0: greedy\), got -1.0$"):  # `Sampler.of`'s
+        engine.generate_many(prompts, max_tokens=2, temperature=-1.0)
 
 
 def test_greedy_equals_nanorls_engine(engine, nano, prompts):
@@ -98,20 +101,20 @@ def test_greedy_equals_nanorls_engine(engine, nano, prompts):
     assert engine.generate_many(prompts, max_tokens=24, **GREEDY) == ours
 
 
-def test_a_stop_token_ends_the_row_and_leaves_the_sequence(engine, nano, prompts, monkeypatch):
-    "A row that samples a stop token ends there; the token is in its stops with its log-prob, not in the sequence."
+def test_a_stop_token_ends_the_row_last_in_its_sequence(engine, nano, prompts, monkeypatch):
+    "A row that samples a stop token ends there, the token last in its sequence with mask 1 and its log-prob."
     (seq,), _ = Engine(*nano).generate_many(prompts[:1], max_tokens=24, **GREEDY)
     completion = seq[len(prompts[0]) :]
     stop = completion[4]
     monkeypatch.setattr(engine, "stop_tokens", {stop})
     gen = engine.generate_many(prompts[:1], max_tokens=24, **GREEDY)
     (got,), (mask,) = gen
-    cut = completion.index(stop)
-    assert got == prompts[0] + completion[:cut] and sum(mask) == cut
-    assert gen.stops[0][0] == stop and gen.stats["finished_rows"] == 1
+    end = completion.index(stop) + 1
+    assert got == prompts[0] + completion[:end] and sum(mask) == end and mask[-1] == 1
+    assert gen.cut == [False] and gen.stats["finished_rows"] == 1
     with torch.no_grad():  # the stop token's log-prob, at temperature 0 the log-softmax of the logits
-        logits = nano[0](torch.tensor([got]))[0, -1]  # (V,)
-    assert abs(gen.stops[0][1] - F.log_softmax(logits, -1)[stop].item()) < LOGPROB_TOL
+        logits = nano[0](torch.tensor([got[:-1]]))[0, -1]  # (V,)
+    assert abs(gen.logprobs[0][-1] - F.log_softmax(logits, -1)[stop].item()) < LOGPROB_TOL
 
 
 def test_logprobs_are_the_sampled_distributions(engine, nano, prompts):
@@ -119,9 +122,8 @@ def test_logprobs_are_the_sampled_distributions(engine, nano, prompts):
     model = nano[0]
     gen = engine.generate_many(prompts, num_samples=2, max_tokens=16, temperature=0.7, top_k=3, seed=1)
     for r, seq in enumerate(gen.sequences):
-        prompt, stop = prompts[r // 2], gen.stops[r]
-        completion = seq[len(prompt) :] + ([stop[0]] if stop else [])
-        theirs = torch.tensor(gen.logprobs[r] + ([stop[1]] if stop else []))
+        prompt = prompts[r // 2]
+        completion, theirs = seq[len(prompt) :], torch.tensor(gen.logprobs[r])
         with torch.no_grad():
             logits = model(torch.tensor([prompt + completion]))[0, len(prompt) - 1 : -1]  # (n, V)
         vals, idx = logits.topk(3, dim=-1)  # (n, 3)
@@ -151,7 +153,7 @@ def test_the_rl_batch_shape_runs_and_rows_do_not_depend_on_it(engine, nano):
     kw = dict(num_samples=16, max_tokens=8, temperature=1.0, top_k=50)
     gen = engine.generate_many(prompts, seed=list(range(16)), **kw)
     seqs, masks = gen
-    assert len(seqs) == 256 and gen.stats["sampled_tokens"] == sum(map(sum, masks))
+    assert len(seqs) == 256 and gen.stats["sampled_tokens"] + gen.stats["finished_rows"] == sum(map(sum, masks))
     alone = engine.generate_many(prompts[5:6], seed=[5], **kw)
     assert (seqs[80:96], masks[80:96]) == alone
 
@@ -204,15 +206,14 @@ def test_vllm_logprobs_equal_the_trainers_at_the_runs_defaults(engine, nano, pro
     seqs, masks = gen
     gaps = []
     for r, seq in enumerate(seqs):
-        n, stop = len(prompts[r // 4]), gen.stops[r]
-        ids = torch.tensor([seq + ([stop[0]] if stop else [])])  # (1, T), the stop token trained as the trainer does
+        n, ids = len(prompts[r // 4]), torch.tensor([seq])  # (1, T), the stop token trained as the trainer does
         targets = torch.cat([torch.full((1, n - 1), -1), ids[:, n:]], 1)  # (1, T - 1)
         with torch.no_grad():
             nll = model(ids[:, :-1], targets=targets, loss_reduction="none", sampler=Sampler(1.0, 50))  # (T - 1,)
-        theirs = torch.tensor(gen.logprobs[r] + ([stop[1]] if stop else []))  # (T - n,)
+        theirs = torch.tensor(gen.logprobs[r])  # (T - n,)
         gaps.append((theirs + nll[n - 1 :]).abs())
     gaps = torch.cat(gaps)
-    assert len(gaps) == sum(map(sum, masks)) + gen.stats["finished_rows"]
+    assert len(gaps) == sum(map(sum, masks))
     assert gaps.max() < LOGPROB_TOL
     assert ((gaps.exp() - 1).abs() > 0.1).sum() == 0  # no token's ratio outside [0.9, 1.1]: no correction needed
 
