@@ -294,6 +294,6 @@ def test_default_max_tokens_is_capped():
     tok = nanochat_tokenizer()
     end = tok.encode_special("<|assistant_end|>")
     long = Engine(ScriptedModel([[5]], tok.get_vocab_size(), end, sequence_len=32768), tok)
-    assert long.check_request([[1, 2, 3]], 1, None, 1.0, 0)[0] == DEFAULT_MAX_NEW_TOKENS == 4096
+    assert long.check_request([[1, 2, 3]], 1, None, 0)[0] == DEFAULT_MAX_NEW_TOKENS == 4096
     short = Engine(ScriptedModel([[5]], tok.get_vocab_size(), end, sequence_len=256), tok)
-    assert short.check_request([[1, 2, 3]], 1, None, 1.0, 0)[0] == 253  # nanochat's models: unchanged
+    assert short.check_request([[1, 2, 3]], 1, None, 0)[0] == 253  # nanochat's models: unchanged
