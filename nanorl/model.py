@@ -122,17 +122,17 @@ def attention_mask(q_pos, k_len, window):
 # %% ../nbs/02_model.ipynb #3e6d1572
 class Linear(nn.Linear):
     "nn.Linear, without a bias unless asked: the weight matrices of both model families, under nn.Linear's names."
-    pack = None  # a faster copy of the weight for calls without a gradient, set by `13_speedups`'s `packed_weights`
+    pack = None  # a faster copy of the weight, set by `13_speedups`'s `packed_weights`
 
     def __init__(self, in_features, out_features, bias=False):
         super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x):
-        "(..., in) -> (..., out): `F.linear`, or the packed copy when there is one and no gradient is wanted."
+        "(..., in) -> (..., out): `F.linear`, or through the packed copy when there is one."
         if self.pack is None:
             return F.linear(x, self.weight, self.bias)
         grads = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad) or x.requires_grad
-        return F.linear(x, self.weight, self.bias) if torch.is_grad_enabled() and grads else self.pack(x)
+        return self.pack.trained(x, self.weight, self.bias) if torch.is_grad_enabled() and grads else self.pack(x)
 
     def __getstate__(self):
         "Deep copies and pickles leave a packed copy behind."

@@ -18,9 +18,10 @@ from .llama import Llama
 
 # %% auto #0
 __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS',
-           'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'onednn_pays',
-           'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed', 'fixed_weights',
-           'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths', 'keep_freed_memory']
+           'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'OneDNNLinear',
+           'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
+           'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths',
+           'keep_freed_memory']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
@@ -37,7 +38,9 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True):
         self.weight, self.low = weight.detach(), None                          # valid until the weight changes
         self.bias = None if bias is None else bias.detach()
-        self._packed = LATER if onednn and _onednn_usable(self.weight) else None   # reordered at its first use
+        self.usable = _onednn_usable(self.weight)                               # trained products: oneDNN
+        self._packed = LATER if onednn and self.usable else None               # reordered at its first use
+        self._transposed = None                                                # W.T reordered, for d x (training)
 
     @property
     def packed(self):
@@ -67,6 +70,20 @@ class PackedLinear:
             self.packed = None
             return F.linear(x, self.weight, self.bias)
 
+    @property
+    def transposed(self):
+        "W.T (in, out) reordered for oneDNN: the product that gives a gradient of x (at its first use)."
+        if self._transposed is None:
+            self._transposed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous())
+        return self._transposed
+
+    def trained(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "x @ weight.T + bias with gradients to all three: every product in oneDNN where it can, else F.linear."
+        plain = weight.shape != self.weight.shape or x.dtype != torch.float32 or not x.numel()  # e.g. a padded head
+        if plain or not self.usable or torch.is_autocast_enabled("cpu"):
+            return F.linear(x, weight, bias)
+        return OneDNNLinear.apply(x, weight, bias, self)                        # unpacked W too: at 1000 rows it pays
+
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         "The product under CPU bf16 autocast: W cast (and packed) once, where autocast would cast it at every call."
         if self.low is None:
@@ -85,6 +102,30 @@ class PackedLinear:
             except RuntimeError:                                                # refused: F.linear from now
                 self.low[2] = None
         return F.linear(x, w, b)
+
+def _onednn(x, w, b=None):
+    "x (N, in) @ w.T + b through oneDNN, w (out, in) reordered or plain."
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+class OneDNNLinear(torch.autograd.Function):
+    "x @ W.T + b with all three products in oneDNN: W's packed copy, its transpose's, and g.T @ x for d W."
+    @staticmethod
+    def forward(ctx, x, weight, bias, pack):
+        "(..., in) -> (..., out) through `pack`, the PackedLinear of `weight`."
+        ctx.pack, ctx.with_bias = pack, bias is not None
+        ctx.save_for_backward(x)
+        w = pack.weight if pack.packed is None else pack.packed                 # (out, in), reordered or plain
+        return _onednn(x.reshape(-1, x.shape[-1]).contiguous(), w, bias).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        "d x = g @ W, d W = g.T @ x, d b = the sum of g over rows."
+        x, = ctx.saved_tensors
+        g2, x2 = g.reshape(-1, g.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1])    # (N, out), (N, in)
+        grad_x = _onednn(g2, ctx.pack.transposed).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = _onednn(g2.t().contiguous(), x2.t().contiguous()) if ctx.needs_input_grad[1] else None  # (out, in)
+        grad_b = g2.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
 
 # %% ../nbs/13_speedups.ipynb #186ecc0c
 PACK_MIN_WEIGHTS = 1 << 17  # smaller matrices stay with F.linear (timed at 16 rows on Zen 2, 3 and 5: see below)
@@ -128,24 +169,47 @@ def _logits_grad(g, u, out):
     else:
         torch.ops.aten.sigmoid_backward.grad_input(g, u, grad_input=out)
 
-def _chunk_softmax(z, softcap, sampler, tgt):
-    "(u, logits, p, lse) of head products z (n, V): sigmoid (None uncapped), logits, softmax, logsumexp (n,) or None."
+def _chunk_logits(z, softcap, sampler):
+    "(u, logits) of head products z (n, V): the sigmoid (None uncapped), and the logits the sampler draws from."
     z = z.to(torch.promote_types(z.dtype, torch.float32))                       # (n, V)
     u = None if softcap is None else z.mul_(2 / softcap).sigmoid_()             # (n, V): tanh = 2u - 1
     logits = z if softcap is None else u * (2 * softcap)                        # (n, V): softcapped logits + softcap
-    if softcap is not None and sampler is None:                                 # p >= exp(-2 softcap) / V: no underflow
-        return u, logits, torch.softmax(logits, dim=-1), None
     if sampler is not None and sampler.temperature != 1:
         logits.div_(sampler.temperature)                                        # (n, V): a fresh tensor, or z's
-    top = None if sampler is None else sampler.top(logits, tgt.squeeze(1))     # (n, k) values and ids, or None
-    if top is None:
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)                     # (n, 1)
-        p = (logits - lse).exp_()                                               # (n, V)
-    else:                                                                       # only k of V entries are not 0
-        lse = top[0].logsumexp(dim=-1, keepdim=True)                            # (n, 1)
-        p = torch.zeros_like(logits).scatter_(1, top[1], (top[0] - lse).exp_())   # (n, V)
-    logp = logits.sub_(lse)                                                     # (n, V): shifted to log p, finite
-    return u, logp, p, logp.new_zeros(logp.shape[0])                           # log p's logsumexp: 0
+    return u, logits
+
+def _chunk_softmax(u, logits, softcap, sampler):
+    "(p, logits, lse) over the whole vocabulary: softmax, logits shifted to log p, logsumexp (n,) or None if capped."
+    if softcap is not None and sampler is None:                                 # p >= exp(-2 softcap) / V: no underflow
+        return torch.softmax(logits, dim=-1), logits, None
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)                         # (n, 1)
+    p = (logits - lse).exp_()                                                   # (n, V)
+    return p, logits.sub_(lse), logits.new_zeros(logits.shape[0])              # log p: finite; its logsumexp 0
+
+def _top_chunk(u, logits, top, tgt, entropy_grad):
+    "nll, entropy (n,) of the sampler's top-k and their gradients (n, k) at its k columns (a quarter if capped)."
+    vals, ids = top                                                             # (n, k) each: the target among them
+    logp = vals - vals.logsumexp(dim=-1, keepdim=True)                          # (n, k)
+    p = logp.exp()                                                              # (n, k)
+    hit = ids == tgt                                                            # (n, k): the target's column
+    nll, entropy = -logp[hit], -(p * logp).sum(-1)                              # (n,), (n,)
+    dz = p - hit.to(p.dtype)                                                    # (n, k): d nll / d logits
+    de = (logp + entropy[:, None]).mul_(p).neg_() if entropy_grad else None    # (n, k): d H / d logits
+    if u is not None:                                                           # the softcap's slope at those columns
+        slope = u.gather(1, ids)                                                # (n, k)
+        slope = slope * (1 - slope)
+        dz, de = dz * slope, de if de is None else de * slope
+    return nll, entropy, dz, de
+
+def _top_products(c, ids, h, weight, chunk_rows):
+    "(C @ W, C.T @ h) for the (N, V) matrix C that is c (N, k) at columns ids (N, k) and 0 elsewhere."
+    grad_h, grad_w = h.new_empty(h.shape, dtype=c.dtype), weight.new_zeros(weight.shape, dtype=c.dtype)
+    for s in range(0, c.shape[0], chunk_rows):
+        cs, idx = c[s:s + chunk_rows], ids[s:s + chunk_rows]                    # (n, k) each
+        grad_h[s:s + chunk_rows] = torch.bmm(cs.unsqueeze(1), weight[idx].to(c.dtype)).squeeze(1)   # (n, d)
+        rows = cs.unsqueeze(-1) * h[s:s + chunk_rows].to(c.dtype).unsqueeze(1)  # (n, k, d)
+        grad_w.index_add_(0, idx.flatten(), rows.flatten(0, 1))                 # (V, d)
+    return grad_h, grad_w
 
 class SoftcappedNLL(torch.autograd.Function):
     "-log softmax(softcap * tanh(h @ W.T / softcap))[target] (softcap None: of h @ W.T) and the entropy, grads formed."
@@ -154,12 +218,22 @@ class SoftcappedNLL(torch.autograd.Function):
         "nll (N,) and entropy (N,) for h (N, d), weight (V, d), targets (N,), rule (softcap, sampler), chunk by chunk."
         softcap, sampler = rule
         N, needs_grad = h.shape[0], any(ctx.needs_input_grad[:2])
+        top_k = sampler is not None and sampler.candidates(weight.shape[0]) is not None   # gradients on k columns
         head = _head_product(weight, packed, N)
-        nll, entropy, dz, de = [], [], None, None        # dz, de (N, V): d nll / dz, d H / dz (a quarter if capped)
+        nll, entropy, tops = [], [], []                 # tops: per chunk, the top-k ids and gradients (n, k) each
+        dz, de = None, None                              # (N, V): d nll / dz, d H / dz (a quarter if capped)
         for s in range(0, N, chunk_rows):
             z = head(h[s:s + chunk_rows])                                       # (n, V) in the matmul dtype
             tgt = targets[s:s + chunk_rows, None]                               # (n, 1)
-            u, logits, p, lse = _chunk_softmax(z, softcap, sampler, tgt)        # (n, V) x 3, (n,) or None
+            u, logits = _chunk_logits(z, softcap, sampler)                      # (n, V) each
+            if top_k:                                                           # the sampler's k tokens a row
+                top = sampler.top(logits, tgt.squeeze(1))                       # (n, k) values and ids
+                nll_k, entropy_k, dz_k, de_k = _top_chunk(u, logits, top, tgt, entropy_grad)   # (n,) x 2, (n, k) x 2
+                nll.append(nll_k)
+                entropy.append(entropy_k)
+                tops.append((top[1], dz_k, de_k))
+                continue
+            p, logits, lse = _chunk_softmax(u, logits, softcap, sampler)        # (n, V) x 2, (n,) or None
             p_tgt, logit_tgt = p.gather(1, tgt), logits.gather(1, tgt).squeeze(1)   # (n, 1), (n,)
             if lse is None:                                                     # capped: p >= exp(-2 softcap) / V
                 nll.append(-p_tgt.log().squeeze(1))
@@ -178,10 +252,15 @@ class SoftcappedNLL(torch.autograd.Function):
             p.scatter_(1, tgt, p_tgt - 1)                                       # p - onehot
             _logits_grad(p, u, dz[s:s + chunk_rows])
         ctx.scale = (1.0 if softcap is None else 4.0) / (sampler.temperature if sampler else 1.0)  # 4: a quarter
+        ctx.top_k, ctx.chunk_rows = top_k and bool(tops), chunk_rows
         if needs_grad:
-            if dz is None:                                                      # no rows at all
-                dz = h.new_zeros(0, weight.shape[0])
-            ctx.save_for_backward(h, weight, dz, de if de is not None else dz.new_zeros(0))
+            if ctx.top_k:                                                       # (N, k) each: ids, d nll, d H
+                ids, dz, de = (torch.cat(t) if t[0] is not None else None for t in zip(*tops))
+                ctx.save_for_backward(h, weight, dz, de if de is not None else dz.new_zeros(0), ids)
+            else:
+                if dz is None:                                                  # no rows at all
+                    dz = h.new_zeros(0, weight.shape[0])
+                ctx.save_for_backward(h, weight, dz, de if de is not None else dz.new_zeros(0))
         if nll:
             nll, entropy = torch.cat(nll), torch.cat(entropy)                   # (N,), (N,)
         else:                                                                   # no rows at all
@@ -194,15 +273,17 @@ class SoftcappedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll, grad_entropy):
         "Gradients of h and weight: two products with the stored dz (and de, when the entropy is trained on)."
-        h, weight, dz, de = ctx.saved_tensors
-        if de.numel() and grad_entropy is not None:                             # one (N, V) gradient of both outputs
+        h, weight, dz, de, *ids = ctx.saved_tensors
+        if de.numel() and grad_entropy is not None:                             # one gradient of both outputs
             dz = (dz * grad_nll[:, None] + de * grad_entropy[:, None]).to(dz.dtype)
             grad_nll = torch.ones_like(grad_nll)
         g = ctx.scale * grad_nll[:, None]                                       # (N, 1)
-        grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                     # (N, d)
-        grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                        # (V, d)
+        if ctx.top_k:                                                           # dz (N, k) at the columns ids (N, k)
+            grad_h, grad_w = _top_products(dz * g.to(dz.dtype), ids[0], h, weight, ctx.chunk_rows)
+        else:
+            grad_h = (dz @ weight.to(dz.dtype)).to(g.dtype) * g                 # (N, d)
+            grad_w = dz.T @ (h.to(g.dtype) * g).to(dz.dtype)                    # (V, d)
         return grad_h.to(h.dtype), grad_w.to(weight.dtype), None, None, None, None, None
-
 
 # %% ../nbs/13_speedups.ipynb #c708dc9a
 def softcapped_nll(h, weight, targets, softcap, sampler=None, chunk_rows=None, packed=None, entropy="none"):
