@@ -123,7 +123,7 @@ class OneDNNLinear(torch.autograd.Function):
         x, = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1])    # (N, out), (N, in)
         grad_x = _onednn(g2, ctx.pack.transposed).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = _onednn(g2.t().contiguous(), x2.t().contiguous()) if ctx.needs_input_grad[1] else None  # (out, in)
+        grad_w = _onednn(g2.t(), x2.t()) if ctx.needs_input_grad[1] else None    # (out, in): strided, no copies
         grad_b = g2.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
