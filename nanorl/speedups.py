@@ -38,8 +38,7 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True):
         self.weight, self.low = weight.detach(), None                          # valid until the weight changes
         self.bias = None if bias is None else bias.detach()
-        self.usable = _onednn_usable(self.weight)                               # trained products: oneDNN
-        self._packed = LATER if onednn and self.usable else None               # reordered at its first use
+        self._packed = LATER if onednn and _onednn_usable(self.weight) else None   # reordered at its first use
         self._transposed = None                                                # W.T reordered, for d x (training)
 
     @property
@@ -78,11 +77,11 @@ class PackedLinear:
         return self._transposed
 
     def trained(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        "x @ weight.T + bias with gradients to all three: every product in oneDNN where it can, else F.linear."
+        "x @ weight.T + bias with gradients to all three: every product in oneDNN if W is packed, else F.linear."
         plain = weight.shape != self.weight.shape or x.dtype != torch.float32 or not x.numel()  # e.g. a padded head
-        if plain or not self.usable or torch.is_autocast_enabled("cpu"):
+        if plain or self.packed is None or torch.is_autocast_enabled("cpu"):
             return F.linear(x, weight, bias)
-        return OneDNNLinear.apply(x, weight, bias, self)                        # unpacked W too: at 1000 rows it pays
+        return OneDNNLinear.apply(x, weight, bias, self)
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         "The product under CPU bf16 autocast: W cast (and packed) once, where autocast would cast it at every call."
@@ -114,8 +113,7 @@ class OneDNNLinear(torch.autograd.Function):
         "(..., in) -> (..., out) through `pack`, the PackedLinear of `weight`."
         ctx.pack, ctx.with_bias = pack, bias is not None
         ctx.save_for_backward(x)
-        w = pack.weight if pack.packed is None else pack.packed                 # (out, in), reordered or plain
-        return _onednn(x.reshape(-1, x.shape[-1]).contiguous(), w, bias).view(*x.shape[:-1], -1)
+        return _onednn(x.reshape(-1, x.shape[-1]).contiguous(), pack.packed, bias).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, g):
