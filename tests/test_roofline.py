@@ -32,6 +32,16 @@ def test_rollout_floor_is_bytes_when_compute_is_free():
     assert nbytes == expected and seconds == pytest.approx(expected / 1e9) and bound == 0 and flops > 0
 
 
+def test_onednn_product_is_the_product():
+    import torch
+    a, b = torch.randn(96, 64), torch.randn(80, 64)
+    product = roofline.onednn_product(a, b)
+    if product is None:
+        pytest.skip("this torch has no oneDNN linear: the peak is torch.mm's alone")
+    expected = a @ b.T                                     # 64-term sums of N(0, 1) products: |x| about 8
+    assert torch.allclose(product(), expected, atol=1e-4)  # float32 rounding of 64 terms: ~1e-6 relative
+
+
 def test_quick_run_on_the_fixture(tmp_path):
     out = tmp_path / "roofline.json"
     cmd = [sys.executable, str(ROOT / "bench" / "roofline.py"), "--quick", "--threads", "1", "--models", "d4,smollm2",
@@ -43,6 +53,7 @@ def test_quick_run_on_the_fixture(tmp_path):
     assert "cores" in p.stdout.splitlines()[0] and "| training, `t_train` |" in p.stdout
     report = json.loads(out.read_text())
     assert report["machine"]["float32"]["gflops"] > 0 and report["machine"]["bandwidth"]["read_gbs"] > 0
+    assert report["machine"]["float32"]["kernel"] in ("torch.mm", "oneDNN linear")
     (model,) = report["models"]
     assert model["shape"]["name"] == "nanochat d3" and len(model["measured"]) == 1
     assert model["measured_step_s"] > 0 and all(f > 0 for f in model["step_floors_at_measured_s"])
