@@ -35,7 +35,7 @@ setup: $(STAMP)  ## create .venv and install nanorl with its dev tools (and vLLM
 demo: $(STAMP)  ## the embedded default run on CPU
 	$(BIN)/python -m nanorl.demo
 
-real: $(STAMP)  ## the recorded SmolLM2-135M-Instruct run (18_real): 40 steps, 2 threads, 12.5 min on a 2-core Zen 3
+real: $(STAMP)  ## the recorded SmolLM2-135M-Instruct run (18_real): 40 steps, 2 threads, 4.9 min on a 2-core Zen 5
 	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) gguf accelerate
 	$(BIN)/python bench/smollm2.py
 	$(BIN)/python -m nanorl.real --num-steps 40 --eval-examples 64 --threads 2
