@@ -184,7 +184,7 @@ def _chunk_softmax(u, logits, softcap, sampler):
     p = (logits - lse).exp_()                                                   # (n, V)
     return p, logits.sub_(lse), logits.new_zeros(logits.shape[0])              # log p: finite; its logsumexp 0
 
-def _top_chunk(u, logits, top, tgt, entropy_grad):
+def _top_chunk(u, top, tgt, entropy_grad):
     "nll, entropy (n,) of the sampler's top-k and their gradients (n, k) at its k columns (a quarter if capped)."
     vals, ids = top                                                             # (n, k) each: the target among them
     logp = vals - vals.logsumexp(dim=-1, keepdim=True)                          # (n, k)
@@ -226,7 +226,7 @@ class SoftcappedNLL(torch.autograd.Function):
             u, logits = _chunk_logits(z, softcap, sampler)                      # (n, V) each
             if top_k:                                                           # the sampler's k tokens a row
                 top = sampler.top(logits, tgt.squeeze(1))                       # (n, k) values and ids
-                nll_k, entropy_k, dz_k, de_k = _top_chunk(u, logits, top, tgt, entropy_grad)   # (n,) x 2, (n, k) x 2
+                nll_k, entropy_k, dz_k, de_k = _top_chunk(u, top, tgt, entropy_grad)   # (n,) x 2, (n, k) x 2
                 nll.append(nll_k)
                 entropy.append(entropy_k)
                 tops.append((top[1], dz_k, de_k))
