@@ -64,7 +64,7 @@ class PackedLinear:
         if self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return F.linear(x, self.weight, self.bias)
         try:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _onednn(x, self.packed, self.bias)
         except RuntimeError:                                                    # refused when called: F.linear from now
             self.packed = None
             return F.linear(x, self.weight, self.bias)
@@ -97,7 +97,7 @@ class PackedLinear:
         x = x.to(BF16)
         if packed is not None:
             try:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+                return _onednn(x, packed, b)
             except RuntimeError:                                                # refused: F.linear from now
                 self.low[2] = None
         return F.linear(x, w, b)
@@ -176,7 +176,7 @@ def _chunk_logits(z, softcap, sampler):
         logits.div_(sampler.temperature)                                        # (n, V): a fresh tensor, or z's
     return u, logits
 
-def _chunk_softmax(u, logits, softcap, sampler):
+def _chunk_softmax(logits, softcap, sampler):
     "(p, logits, lse) over the whole vocabulary: softmax, logits shifted to log p, logsumexp (n,) or None if capped."
     if softcap is not None and sampler is None:                                 # p >= exp(-2 softcap) / V: no underflow
         return torch.softmax(logits, dim=-1), logits, None
@@ -231,7 +231,7 @@ class SoftcappedNLL(torch.autograd.Function):
                 entropy.append(entropy_k)
                 tops.append((top[1], dz_k, de_k))
                 continue
-            p, logits, lse = _chunk_softmax(u, logits, softcap, sampler)        # (n, V) x 2, (n,) or None
+            p, logits, lse = _chunk_softmax(logits, softcap, sampler)        # (n, V) x 2, (n,) or None
             p_tgt, logit_tgt = p.gather(1, tgt), logits.gather(1, tgt).squeeze(1)   # (n, 1), (n,)
             if lse is None:                                                     # capped: p >= exp(-2 softcap) / V
                 nll.append(-p_tgt.log().squeeze(1))
