@@ -21,7 +21,7 @@ CPUINFO ?= /proc/cpuinfo
 AVX512 := $(shell grep -m1 '^flags' $(CPUINFO) 2>/dev/null | grep -ow avx512f)
 AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: setup demo real test test-fast export readme lab
+.PHONY: setup demo real gsm8k test test-fast export readme lab
 
 $(STAMP): setup.py settings.ini $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ real: $(STAMP)  ## the recorded SmolLM2-135M-Instruct run (18_real): 40 steps, 2
 	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) gguf accelerate
 	$(BIN)/python bench/smollm2.py
 	$(BIN)/python -m nanorl.real --num-steps 40 --eval-examples 64 --threads 2
+
+GSM8K_DATA ?= ../shared/data/gsm8k
+gsm8k: $(STAMP)  ## the recorded GSM8K run (18_real): Qwen2.5-Coder-0.5B-Instruct, RL on GSM8K train, 2 threads
+	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) gguf accelerate
+	$(BIN)/python bench/qwen_coder.py
+	$(BIN)/python -m nanorl.real --problems gsm8k --data-dir $(GSM8K_DATA) --threads 2
 
 test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest (numerics on AVX2 too)
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_export; \

@@ -41,11 +41,15 @@ def gsm8k_test(data_dir) -> FinalNumber:
 def evaluate_model(folder, task, args) -> dict:
     "pass@k of the model in `folder` on the first `args.examples` problems of `task`, with the seconds it took."
     model, tokenizer, _ = load_model(folder, "cpu")
+    model = model.to(getattr(torch, args.dtype))                      # bfloat16: weights cast, as fast as autocast
     engine = Engine(use_fast_paths(model.eval()), tokenizer)          # on a CPU, as the trainer samples
     sampling = Sampling(num_samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=0.7, top_k=50)
     t0 = time.perf_counter()
     result = evaluate_pass_at_k(engine, tokenizer, task, sampling, args.examples, seed=args.seed, prompts_per_batch=4)
-    return result.metrics() | {"seconds": time.perf_counter() - t0}
+    right, stopped = result.outcomes, result.stopped                  # (P, n) each: per problem, for paired comparisons
+    return result.metrics() | {"seconds": time.perf_counter() - t0,
+                               "right_if_stopped": right[stopped].float().mean().item(),
+                               "right": right.int().tolist(), "stopped": stopped.int().tolist()}
 
 
 def parse_args(argv=None):
@@ -56,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--examples", type=int, default=128, help="first N test problems (default 128)")
     p.add_argument("--samples", type=int, default=4, help="samples per problem (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply at most (default 256)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the weights' dtype (default float32)")
     p.add_argument("--seed", type=int, default=42, help="the evaluator's seed (default 42)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--data-dir", default=str(DATA), help=f"GSM8K's folder (default {DATA})")
@@ -76,7 +82,8 @@ def main(argv=None):
     for folder, label in zip(args.model, args.label):
         m = evaluate_model(folder, task, args)
         record = {"label": label, "model": str(folder), "examples": args.examples, "samples": args.samples,
-                  "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_label(),
+                  "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": args.threads,
+                  "cpu": cpu_label(),
                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **m}
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")

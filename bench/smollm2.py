@@ -40,24 +40,33 @@ def find_gguf(work: Path) -> Path:
     return work / member
 
 
-def build(out: Path) -> Path:
-    "The Hugging Face folder of SmolLM2-135M-Instruct in float32 at `out` (built once)."
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return out
+def is_built(out: Path) -> bool:
+    "Whether `out` already holds a converted folder (a config and its weights)."
+    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
+
+
+def convert(gguf: Path, out: Path) -> Path:
+    "A GGUF file as a float32 Hugging Face folder at `out`: weights dequantized, tokenizer and chat template kept."
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory() as work:
-        gguf = find_gguf(Path(work))
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # dequantized to float32 on load: a plain model now
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # dequantized to float32 on load: a plain model now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
+
+
+def build(out: Path) -> Path:
+    "The Hugging Face folder of SmolLM2-135M-Instruct in float32 at `out` (built once)."
+    if is_built(out):
+        return out
+    with tempfile.TemporaryDirectory() as work:
+        return convert(find_gguf(Path(work)), out)
 
 
 def main(argv=None):

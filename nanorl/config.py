@@ -8,6 +8,8 @@ import argparse, dataclasses, math, warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import torch
+
 from .checkpoint import get_base_dir
 from .rundir import run_dir
 from .advantages import ADVANTAGE_METHODS
@@ -180,6 +182,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ValueError(f"--dist-timeout-min must be between 1/60 (a second) and {DIST_TIMEOUT_MIN[1]} (ten days), "
                          f"got {cfg.dist_timeout_min}")
     check_rates(cfg)
+    empty = [flag(n) for n in ("output_dir", "model_path", "data_dir", "base_dir", "model_tag")
+             if getattr(cfg, n) is not None and not str(getattr(cfg, n)).strip()]
+    if empty:
+        raise ValueError(f"{', '.join(empty)} is empty: give a path (or name), or leave the flag out for its default")
     if cfg.skip_zero_signal and (cfg.kl_coef or cfg.entropy_coef):
         warnings.warn("--skip-zero-signal also drops the KL and entropy terms of the groups it skips: the update "
                       "differs")
@@ -209,6 +215,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                          "from (an RL run's step_<N> folder is one)")
     check_rank_settings(world_size, cfg.examples_per_step, cfg.fsdp, cfg.skip_zero_signal, cfg.device_type)
     check_engine_settings(cfg.engine, cfg.model_path)    # vLLM takes Hugging Face folders: `15_vllm_engine`
+    if cfg.device_type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device-type mps: this machine has no Apple GPU with MPS (macOS only); use cpu or cuda, or "
+                         "leave the flag out to pick the device found")
     return cfg
 
 # %% ../nbs/15b_config.ipynb #563dff95
@@ -260,7 +269,10 @@ class _Boolean(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = not option_string.startswith("--no-")
-        setattr(namespace, self.dest, value if values is None else _parse_bool(values) == value)
+        try:
+            setattr(namespace, self.dest, value if values is None else _parse_bool(values) == value)
+        except argparse.ArgumentTypeError as e:                 # argparse's one-line usage error, not a traceback
+            raise argparse.ArgumentError(self, str(e)) from None
 
 class _Formatter(argparse.HelpFormatter):
     "Booleans shown as --x, --no-x."

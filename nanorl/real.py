@@ -15,14 +15,15 @@ from .checkpoint import load_model
 from .engine import Engine
 from .speedups import use_fast_paths
 from .rollout import completion_text, prompt_ids
-from .tasks import Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
-from .train import Config, NonFiniteError, add_config_flag, config_help, train, validate
+from .tasks import GSM8K, Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
+from .train import Config, NonFiniteError, add_config_flag, config_help, make_tasks, train, validate
 from .demo import plot_run, set_threads
 
 # %% auto #0
-__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'TASKS', 'REAL_DIFFICULTY', 'RECIPE', 'TASK_RECIPE', 'final_number', 'FinalNumber',
-           'smollm2_default', 'smollm2_path', 'check_task', 'real_tasks', 'real_config', 'sample_answers', 'run_real',
-           'real_parser', 'main']
+__all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'QWEN_ENV', 'TASKS', 'PROBLEMS', 'REAL_DIFFICULTY', 'RECIPE', 'TASK_RECIPE',
+           'final_number', 'FinalNumber', 'cached_model', 'smollm2_default', 'qwen_default', 'smollm2_path',
+           'check_task', 'real_tasks', 'task_flag', 'problem_set', 'one_step', 'multi_step', 'gsm8k', 'real_config',
+           'sample_answers', 'run_real', 'real_parser', 'main']
 
 # %% ../nbs/18_real.ipynb #df1b62d1
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -47,45 +48,69 @@ class FinalNumber(TaskView):
         return float(self.evaluate(conversation, completion))
 
 # %% ../nbs/18_real.ipynb #a2d595eb
-SMOLLM2_ENV = "NANORL_SMOLLM2"
+SMOLLM2_ENV, QWEN_ENV = "NANORL_SMOLLM2", "NANORL_QWEN"
 TASKS = {"one-step": Difficulty(min_value=2, max_value=20, num_steps=1, ops="+-"),        # the recorded run's
          "multi-step": Difficulty(min_value=2, max_value=20, num_steps=(2, 3), ops="+-")}  # two or three steps
+PROBLEMS = (*TASKS, "gsm8k")        # --problems: the word problems made here, or GSM8K's real ones
 REAL_DIFFICULTY = TASKS["one-step"]
 
-def smollm2_default() -> Path:
-    "Where the SmolLM2 folder is looked for (and built): $NANORL_SMOLLM2, else $NANORL_CACHE's (~/.cache/nanorl)."
+def cached_model(name: str, env: str) -> Path:
+    "Where a built model folder is looked for (and built): $`env`, else `name` in $NANORL_CACHE (~/.cache/nanorl)."
     cache = Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
-    return Path(os.environ.get(SMOLLM2_ENV) or cache / "smollm2-135m-instruct").expanduser()
+    return Path(os.environ.get(env) or cache / name).expanduser()
 
-def smollm2_path(path=None) -> Path:
-    "The SmolLM2-135M-Instruct folder: `path`, else `smollm2_default()`; a clear error when it is missing."
+def smollm2_default() -> Path:
+    "Where the SmolLM2 folder is looked for (and built): $NANORL_SMOLLM2, else the cache's."
+    return cached_model("smollm2-135m-instruct", SMOLLM2_ENV)
+
+def qwen_default() -> Path:
+    "Where the Qwen2.5-Coder-0.5B-Instruct folder (`bench/qwen_coder.py`) is looked for: $NANORL_QWEN, else the cache's."
+    return cached_model("qwen2.5-coder-0.5b-instruct", QWEN_ENV)
+
+def smollm2_path(path=None, builder: str = "bench/smollm2.py") -> Path:
+    "The model folder `path` (default: SmolLM2's, `smollm2_default()`); a clear error naming its builder when missing."
     folder = Path(path).expanduser() if path else smollm2_default()
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no Hugging Face model folder at {folder} (no config.json): build it with "
-                                f"`python bench/smollm2.py --out {folder}` (needs transformers and gguf), or pass "
+                                f"`python {builder} --out {folder}` (needs transformers and gguf), or pass "
                                 "--model-path")
     return folder
 
 def check_task(task: str) -> str:
-    "`task` if it names one of `TASKS`, else a ValueError listing them."
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    "`task` if it names one of `PROBLEMS`, else a ValueError listing them."
+    if task not in PROBLEMS:
+        raise ValueError(f"task must be one of {', '.join(PROBLEMS)}, got {task!r}")
     return task
 
-def real_tasks(seed: int = 0, task: str = "one-step"):
-    "(training task, held-out task): `task`'s word problems (`TASKS`) scored by the reply's final number."
-    check_task(task)
+def real_tasks(seed: int = 0, task: str = "one-step", data_dir=None):
+    "(training task, held-out task) of `task`, scored by the reply's final number: made word problems, or GSM8K's."
+    if check_task(task) == "gsm8k":                   # the real rows of `data_dir` (train.jsonl, test.jsonl)
+        return tuple(FinalNumber(GSM8K("main", split, data_dir=data_dir)) for split in ("train", "test"))
     return (FinalNumber(Arithmetic(n=20_000, seed=seed, split="train", difficulty=TASKS[task])),
             FinalNumber(Arithmetic(n=1_000, seed=seed, split="test", difficulty=TASKS[task])))
+
+def task_flag(problems: str) -> str:
+    "The trainer's `--task` of a problem set (a factory below): the run's config records --problems, and so a resume."
+    return f"nanorl.real:{check_task(problems).replace('-', '_')}"
+
+def problem_set(cfg: Config) -> str:
+    "The problem set that a config's `--task` names (`task_flag`'s inverse)."
+    return check_task(cfg.task.rpartition(":")[2].replace("_", "-"))
+
+def one_step(cfg: Config): return real_tasks(cfg.seed, "one-step")                 # the factories `task_flag` names
+def multi_step(cfg: Config): return real_tasks(cfg.seed, "multi-step")
+def gsm8k(cfg: Config): return real_tasks(cfg.seed, "gsm8k", cfg.data_dir)
 
 RECIPE = dict(model_tag="smollm2", device_type="cpu", num_steps=80, examples_per_step=4, num_samples=8,
               device_batch_size=8, max_new_tokens=48, temperature=0.7, top_k=50, lr=3e-5, warmup_steps=0,
               truncated="zero", eval_every=40, eval_examples=128, eval_samples=4, save_every=80, dtype="float32")
-TASK_RECIPE = {"one-step": {}, "multi-step": dict(max_new_tokens=64)}    # room for a third step
+TASK_RECIPE = {"one-step": {}, "multi-step": dict(max_new_tokens=64),             # room for a third step
+               "gsm8k": dict(model_tag="qwen", num_steps=30, max_new_tokens=384, lr=1e-5, eval_every=10,
+                             eval_examples=32, eval_samples=2, save_every=10, dtype="bfloat16")}
 
 def real_config(model_path, out_dir: str = "runs/real", task: str = "one-step", **changes) -> Config:
     "The trainer's Config of the real-model run on `task`: RECIPE with `changes`."
-    recipe = {**RECIPE, **TASK_RECIPE[check_task(task)]}
+    recipe = {**RECIPE, **TASK_RECIPE[check_task(task)], "task": task_flag(task)}
     return Config(**{**recipe, "model_path": str(model_path), "output_dir": out_dir, **changes})
 
 # %% ../nbs/18_real.ipynb #fae7c29d
@@ -104,10 +129,10 @@ def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
     return out
 
 # %% ../nbs/18_real.ipynb #a92fc39e
-def run_real(cfg: Config, show: tuple = (0, 1, 2), task: str = "one-step") -> dict:
-    "Train the real-model run of `cfg` on `task`; returns (and writes) its summary."
-    t0 = time.perf_counter()
-    train_task, held_out = real_tasks(cfg.seed, task)
+def run_real(cfg: Config, show: tuple = (0, 1, 2)) -> dict:
+    "Train the real-model run of `cfg` (its problem set, `problem_set`); returns (and writes) its summary."
+    t0, task = time.perf_counter(), problem_set(cfg)
+    train_task, held_out = make_tasks(cfg)
     records = train(cfg, tasks=(train_task, held_out))
     seconds = time.perf_counter() - t0
     evals = [r for r in records if "pass@1" in r]
@@ -115,7 +140,7 @@ def run_real(cfg: Config, show: tuple = (0, 1, 2), task: str = "one-step") -> di
     summary = {"before": evals[0]["pass@1"], "before_se": evals[0]["pass@1_se"], "after": evals[-1]["pass@1"],
                "after_se": evals[-1]["pass@1_se"], "seconds": seconds, "threads": torch.get_num_threads(),
                "task": task, "config": asdict(cfg), "records": records}
-    title = (f"SmolLM2-135M-Instruct: held-out pass@1 {summary['before']:.3f} -> {summary['after']:.3f} "
+    title = (f"{Path(cfg.model_path).name}: held-out pass@1 {summary['before']:.3f} -> {summary['after']:.3f} "
              f"in {seconds / 60:.0f} min")
     summary["plot"] = str(plot_run(records, out / "real_curves.png", title, k=cfg.eval_samples, entropy=True))
     summary["answers_before"] = sample_answers(cfg.model_path, held_out, show, cfg)
@@ -129,14 +154,17 @@ def real_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nanorl.real",
                                 description="RL on SmolLM2-135M-Instruct (a Hugging Face folder) on CPU: word "
                                             "problems, held-out pass@1 before and after.")
-    add_config_flag(p, "model_path", None, f"the model folder (default: ${SMOLLM2_ENV}, else {smollm2_default()}; "
-                                           "`python bench/smollm2.py` builds it)")
+    add_config_flag(p, "model_path", None, f"the model folder (default: ${SMOLLM2_ENV}, else {smollm2_default()}, "
+                                           f"built by `python bench/smollm2.py`; gsm8k: ${QWEN_ENV}, else "
+                                           f"{qwen_default()}, built by `python bench/qwen_coder.py`)")
     add_config_flag(p, "output_dir", "runs/real", "run directory: checkpoints, metrics, plots (default: runs/real)")
     p.add_argument("--out-dir", dest="output_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # earlier name
-    p.add_argument("--problems", choices=list(TASKS), default="one-step",
-                   help="one-step word problems (the recorded run, default) or two- and three-step ones (64 tokens)")
+    p.add_argument("--problems", choices=PROBLEMS, default="one-step",
+                   help="one-step word problems (the recorded run, default), two- and three-step ones (64 tokens), "
+                        "or GSM8K's (--data-dir: its train.jsonl and test.jsonl) for Qwen2.5-Coder-0.5B-Instruct")
+    add_config_flag(p, "data_dir", None, "GSM8K's folder, for --problems gsm8k")
     recipe = ("num_steps", "max_new_tokens", "lr", "warmup_steps", "truncated", "entropy_coef", "eval_examples", "logp",
-              "train_stop")
+              "train_stop", "seed")
     for name in recipe:                       # train's flags; their defaults here are the recipe's
         add_config_flag(p, name, None, config_help(name, RECIPE.get(name, getattr(Config(), name))))
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -149,8 +177,14 @@ def real_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     "Entry point of `python -m nanorl.real`."
     args = real_parser().parse_args(argv)
+    empty = [f"--{k.replace('_', '-')}" for k in ("model_path", "output_dir", "data_dir", "model_tag")
+             if getattr(args, k) is not None and not str(getattr(args, k)).strip()]
+    if empty:
+        sys.exit(f"nanorl.real: error: {', '.join(empty)} is empty: give a path (or name), or leave the flag out")
     try:
-        folder = smollm2_path(args.model_path)
+        gsm8k = args.problems == "gsm8k"
+        folder = (smollm2_path(args.model_path or qwen_default(), "bench/qwen_coder.py") if gsm8k
+                  else smollm2_path(args.model_path))
     except FileNotFoundError as e:
         sys.exit(f"nanorl.real: error: {e}")
     skip = ("model_path", "output_dir", "threads", "problems")
@@ -160,7 +194,7 @@ def main(argv=None):
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         set_threads(args.threads)
-        s = run_real(validate(cfg), task=args.problems)
+        s = run_real(validate(cfg))
     except (ValueError, OSError, NonFiniteError) as e:
         sys.exit(f"nanorl.real: error: {e}")
     tqdm.write(f"held-out pass@1 {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± {s['after_se']:.3f} "

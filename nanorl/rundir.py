@@ -12,7 +12,7 @@ from .checkpoint import (CheckpointError, checkpoint_steps, hf_checkpoint_steps,
                                load_resume_state)
 
 # %% auto #0
-__all__ = ['LEFTOVER', 'STEERING', 'run_dir', 'check_writable', 'open_run_file', 'lock_run_dir', 'remove_leftovers',
+__all__ = ['LEFTOVER', 'STEERING', 'FILES', 'run_dir', 'check_writable', 'open_run_file', 'lock_run_dir', 'remove_leftovers',
            'release_run_dir', 'claim_run_dir', 'check_room', 'elastic_restarts', 'complete_steps', 'ranks_hint',
            'load_resume_point', 'written_steps', 'resume_point', 'describe_changes', 'check_same_run']
 
@@ -216,16 +216,18 @@ STEERING = ("model_tag", "model_step", "source", "model_path", "task", "seed", "
             "examples_per_step", "num_samples", "device_batch_size", "max_new_tokens", "temperature", "top_k",
             "embedding_lr", "unembedding_lr", "matrix_lr", "lr", "weight_decay", "init_lr_frac", "advantage",
             "loss_norm", "skip_zero_signal", "logp", "train_stop", "kl_coef", "entropy_coef", "lr_schedule",
-            "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap",
-            "data_dir", "data_sha256")   # the data the task read: its folder, {file: sha256} (`16_train`)
+            "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap", "cpu_fast_paths",
+            "data_dir", "data_sha256",   # the data the task read: its folder, {file: sha256} (`16_train`)
+            "model_sha256")              # the --model-path folder's files (tokenizer, template, reference weights)
+FILES = {"data_sha256": "data file", "model_sha256": "model file"}
 
 def describe_changes(changed: dict) -> str:
-    "Changed settings as messages list them: `--flag old -> new`, and each data file that is new, gone or changed."
+    "Changed settings as messages list them: `--flag old -> new`, and each data or model file new, gone or changed."
     def one(k, a, b):
-        if k != "data_sha256":
+        if k not in FILES:
             return f"--{k.replace('_', '-')} {a} -> {b}"
         a, b = a or {}, b or {}
-        return ", ".join(f"data file {f} {'new' if f not in a else 'gone' if f not in b else 'changed'}"
+        return ", ".join(f"{FILES[k]} {f} {'new' if f not in a else 'gone' if f not in b else 'changed'}"
                          for f in sorted({*a, *b}) if a.get(f) != b.get(f))
     return ", ".join(one(k, a, b) for k, (a, b) in changed.items())
 

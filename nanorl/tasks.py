@@ -170,12 +170,12 @@ def load_gsm8k_rows(subset: str = "main", split: str = "train", data_dir=None, b
     if found is not None:
         return _read_rows(*found), str(found[1][0])
     if _hub_offline() and not _hub_cache_has_gsm8k():
-        raise RuntimeError(_offline_help(subset, split))
+        raise FileNotFoundError(_offline_help(subset, split))
     import datasets
     try:
         ds = datasets.load_dataset("openai/gsm8k", subset, split=split)
     except Exception as e:
-        raise RuntimeError(f"{_offline_help(subset, split)}\n(datasets said: {e})") from e
+        raise FileNotFoundError(f"{_offline_help(subset, split)} (datasets said: {e})") from e
     return ds.select_columns(["question", "answer"]).to_list(), "hub:openai/gsm8k"
 
 # %% ../nbs/08_tasks.ipynb #a0fad63b

@@ -378,12 +378,15 @@ def task_files(task) -> list:
     return list(getattr(task, "files", []))
 
 def data_record(cfg: Config, tasks) -> dict:
-    "What a resume checks of the data: --data-dir (absolute) and the sha256 of each file the tasks read, by name."
+    "What a resume checks of its inputs: --data-dir and the sha256 of each file the tasks and --model-path hold."
     root = Path(cfg.data_dir).expanduser().absolute() if cfg.data_dir else None
     home = root.parent if root and root.is_file() else root            # a Countdown file: named in its folder
     name = lambda f: f.relative_to(home).as_posix() if home and f.is_relative_to(home) else str(f)
     files = sorted({Path(f).expanduser().absolute() for t in tasks for f in task_files(t)})
-    return {"data_dir": str(root) if root else None, "data_sha256": {name(f): file_sha256(f) for f in files}}
+    folder = Path(cfg.model_path).expanduser() if cfg.model_path else None   # re-read by every resume
+    model = sorted(f for f in folder.iterdir() if f.is_file()) if folder and folder.is_dir() else []
+    return {"data_dir": str(root) if root else None, "data_sha256": {name(f): file_sha256(f) for f in files},
+            "model_sha256": {f.name: file_sha256(f) for f in model}}
 
 # %% ../nbs/16_train.ipynb #b2a4c6e8
 @dataclass

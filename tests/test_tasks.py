@@ -175,7 +175,7 @@ def test_hub_path_uses_datasets(monkeypatch, tmp_path):
         raise ConnectionError("no route to host")
 
     monkeypatch.setattr(datasets, "load_dataset", broken)
-    with pytest.raises(RuntimeError, match="NANORL_GSM8K_DIR"):
+    with pytest.raises(FileNotFoundError, match="NANORL_GSM8K_DIR"):
         GSM8K(split="test")
 
 
@@ -186,7 +186,7 @@ def test_offline_fails_fast_in_a_fresh_process(tmp_path):
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), NANOCHAT_BASE_DIR=str(tmp_path))
     code = (
         "import time; from nanorl.tasks import GSM8K\nt0 = time.perf_counter()\n"
-        "try: GSM8K('main', 'train')\nexcept RuntimeError as e: print(round(time.perf_counter() - t0, 3)); print(e)\n"
+        "try: GSM8K('main', 'train')\nexcept FileNotFoundError as e: print(round(time.perf_counter() - t0, 3)); print(e)\n"
     )
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
