@@ -5,6 +5,12 @@
 # %% ../nbs/01a_chat.ipynb #c4fb313e
 from __future__ import annotations
 import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -18,10 +24,10 @@ from fastcore.basics import patch
 from .tokenizer import MaskView, Tokenizer
 
 # %% auto #0
-__all__ = ['SPECIAL_TOKEN_KEYS', 'NANOCHAT_TOOL_TOKENS', 'RENDER_SECONDS', 'RENDER_RANGE', 'RENDER_CHARS', 'template_tojson',
-           'template_raise', 'template_strftime', 'BudgetError', 'BudgetSandbox', 'compile_chat_template',
-           'message_text', 'template_messages', 'read_json', 'token_text', 'find_chat_template', 'id_list',
-           'ChatTokenizer']
+__all__ = ['SPECIAL_TOKEN_KEYS', 'NANOCHAT_TOOL_TOKENS', 'RENDER_SECONDS', 'RENDER_RANGE', 'RENDER_CHARS', 'TEMPLATE_MEMORY',
+           'START_SECONDS', 'template_tojson', 'template_raise', 'template_strftime', 'BudgetError', 'BudgetSandbox',
+           'compile_chat_template', 'message_text', 'template_messages', 'serve_templates', 'TemplateProcess',
+           'read_json', 'token_text', 'find_chat_template', 'id_list', 'ChatTokenizer']
 
 # %% ../nbs/01a_chat.ipynb #567d68b0
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -122,6 +128,123 @@ def template_messages(conversation):
             raise ValueError(f"expected message {i} to be a dict with 'role' and 'content', found {m!r}")
     return [{"role": m["role"], "content": message_text(m["content"])} for m in messages]
 
+# %% ../nbs/01a_chat.ipynb #261c5a9b
+TEMPLATE_MEMORY = 2**30      # bytes of address space a template's process may add to what it holds when it starts
+START_SECONDS = 120.0        # the child's start (Python and nanorl imported), on a loaded machine
+
+def _send(stream, message):
+    "One JSON message, length-prefixed."
+    data = json.dumps(message).encode()
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+def _receive(stream):
+    "One message of `_send`; None at the end of the stream."
+    head = stream.read(8)
+    return json.loads(stream.read(int.from_bytes(head, "little"))) if len(head) == 8 else None
+
+def _limit_memory(extra: int):
+    "Cap this process's address space at what it holds now plus `extra` bytes (Linux; elsewhere nothing)."
+    try:
+        import resource
+        held = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (held + extra, held + extra))
+    except (ImportError, OSError, TypeError, ValueError):
+        pass
+
+def _render_here(template, kwargs) -> str:
+    "A compiled template's text for `kwargs`, on its sandbox's budget."
+    env, pieces, size = template.environment, [], 0
+    env.start()
+    for piece in template.generate(**kwargs, tools=None, documents=None):
+        size += len(piece)
+        env.check(size)
+        pieces.append(piece)
+    return "".join(pieces)
+
+def serve_templates():
+    "The child's loop: (source, kwargs or None) in on stdin, [ok, text] or [False, [kind, ...]] out."
+    out, sys.stdout = sys.stdout.buffer, sys.stderr            # only the answers on the pipe
+    _limit_memory(TEMPLATE_MEMORY)
+    templates = {}
+    _send(out, [True, "ready"])
+    while (request := _receive(sys.stdin.buffer)) is not None:
+        source, kwargs = request
+        try:
+            if source not in templates:
+                templates[source] = compile_chat_template(source)
+            answer = [True, "" if kwargs is None else _render_here(templates[source], kwargs)]
+        except jinja2.TemplateSyntaxError as e:
+            answer = [False, ["syntax", f"line {e.lineno}: {e.message}"]]
+        except BudgetError as e:
+            answer = [False, ["budget", str(e)]]
+        except MemoryError:
+            answer = [False, ["failed", f"out of memory: over {TEMPLATE_MEMORY / 2**30:g} GiB"]]
+        except Exception as e:                  # the sandbox's refusal, raise_exception(...)
+            answer = [False, ["failed", f"{type(e).__name__}: {str(e)[:200]}"]]
+        _send(out, answer)
+
+class TemplateProcess:
+    "A chat template compiled and rendered in a child process (one for all templates), killed past its time."
+    _lock, _child = threading.Lock(), None
+
+    def __init__(self, source: str, name: str = "chat template"):
+        "Compile `source` there: a ValueError naming `name` if it is not a template or goes over its budget."
+        self.source, self.name = source, name
+        self._ask(None, "compiling")
+
+    def render(self, **kwargs) -> str:
+        "The template's text for `kwargs` (messages, add_generation_prompt, special tokens)."
+        return self._ask(kwargs, "rendering")
+
+    def _ask(self, kwargs, doing: str) -> str:
+        "One request answered within RENDER_SECONDS (and a grace second), else the child is killed."
+        with self._lock:
+            child = TemplateProcess._start()
+            _send(child.stdin, [self.source, kwargs])
+            answer = TemplateProcess._wait(child, RENDER_SECONDS + 1)
+        if answer is None:
+            raise ValueError(f"{self.name}: {doing} the chat template went over its budget (more than "
+                             f"{RENDER_SECONDS:g} s, or its process ended); a template that needs more is broken or "
+                             "hostile: fix or replace it")
+        ok, value = answer
+        if ok:
+            return value
+        kind, what = value
+        if kind == "syntax":
+            raise ValueError(f"{self.name}: not a valid chat template ({what})")
+        if kind == "budget":
+            raise ValueError(f"{self.name}: {doing} the chat template went over its budget ({what}); a template "
+                             "that needs more is broken or hostile: fix or replace it")
+        raise ValueError(f"{self.name}: the chat template failed ({what})")
+
+    @classmethod
+    def _start(cls):
+        "The running child, started (and waited for) if there is none."
+        if cls._child is None or cls._child.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            child = subprocess.Popen([sys.executable, "-c", "from nanorl.chat import serve_templates as s; s()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            if cls._wait(child, START_SECONDS) != [True, "ready"]:
+                raise RuntimeError(f"the chat-template process did not start within {START_SECONDS:g} s")
+            cls._child = child
+        return cls._child
+
+    @classmethod
+    def _wait(cls, child, seconds: float):
+        "The child's answer, or None (the child killed) when it gives none within `seconds`."
+        fd, data, deadline = child.stdout.fileno(), b"", time.monotonic() + seconds
+        while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "little"):
+            left = deadline - time.monotonic()
+            chunk = os.read(fd, 1 << 20) if left > 0 and select.select([fd], [], [], left)[0] else b""
+            if not chunk:                                        # past its time, or it ended
+                child.kill()
+                child.wait()
+                cls._child = None if cls._child is child else cls._child
+                return None
+            data += chunk
+        return json.loads(data[8:])
+
 # %% ../nbs/01a_chat.ipynb #5f1d68dc
 def read_json(path):
     "The JSON object in `path`, or {} if there is no such file; a ValueError naming the file if it holds no object."
@@ -165,10 +288,7 @@ class ChatTokenizer:
         self.plain.encode_special_tokens = True               # `encode`: special-token strings stay ordinary text
         self.special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.template_text, self.template_source = chat_template, template_source
-        try:
-            self.template = compile_chat_template(chat_template) if chat_template else None
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"{template_source}: not a valid chat template (line {e.lineno}: {e.message})") from e
+        self.template = TemplateProcess(chat_template, template_source) if chat_template else None
         self.eos_token_ids, self.max_len = list(eos_token_ids), max_len
         self._special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._end_of_turn = None
@@ -238,21 +358,7 @@ def render_text(self: ChatTokenizer, messages, add_generation_prompt=False):
     "The chat template's text for a list of {role, content: str} messages; a ValueError naming the template on failure."
     if self.template is None:
         raise ValueError(f"{self.template_source}: this tokenizer has no chat template")
-    env, pieces, size = self.template.environment, [], 0
-    env.start()
-    try:
-        for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            tools=None, documents=None, **self.special):
-            size += len(piece)
-            env.check(size)
-            pieces.append(piece)
-    except BudgetError as e:
-        raise ValueError(f"{self.template_source}: rendering the chat template went over its budget ({e}); a "
-                         "template that needs more is broken or hostile: fix or replace it") from None
-    except Exception as e:                      # the sandbox's refusal, raise_exception(...), memory run out
-        what = "out of memory" if isinstance(e, MemoryError) else f"{type(e).__name__}: {str(e)[:200]}"
-        raise ValueError(f"{self.template_source}: the chat template failed ({what})") from e
-    return "".join(pieces)
+    return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 @patch
 def _chat_ids(self: ChatTokenizer, text):
