@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import get_base_dir
+from .llama import machine_memory
 from .rundir import run_dir
 from .advantages import ADVANTAGE_METHODS
 from .model import check_sampling
@@ -22,7 +23,8 @@ from .step import TRUNCATION, LossSettings
 
 # %% auto #0
 __all__ = ['PRESETS', 'MAX_RATE', 'MIN_TEMPERATURE', 'DIST_TIMEOUT_MIN', 'FLAG_GROUPS', 'ADVANCED', 'Config', 'resolve_preset',
-           'check_rates', 'validate', 'config_help', 'build_parser', 'add_config_flag', 'config_from_args']
+           'check_rates', 'check_fits', 'validate', 'config_help', 'build_parser', 'add_config_flag',
+           'config_from_args']
 
 # %% ../nbs/15b_config.ipynb #f0f05244
 def _flag(default, help):
@@ -161,6 +163,14 @@ def check_rates(cfg: Config):
     if frozen:
         warnings.warn(f"{', '.join(frozen)} 0: those weights stay frozen")
 
+def check_fits(replies: int, tokens: int):
+    "A ValueError when a step's replies cannot fit this machine: 3 numbers of 8 bytes a token (ids, mask, log-prob)."
+    need, have = replies * tokens * 3 * 8, machine_memory()
+    if have and need > have:
+        raise ValueError(f"--examples-per-step x --num-samples = {replies:,} replies of up to --max-new-tokens "
+                         f"{tokens:,} need {need / 2**30:,.0f} GiB for their tokens alone, more than this machine's "
+                         f"{have / 2**30:,.0f} GiB; lower them")
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     "Raise a ValueError for settings that cannot work; return the config."
     flag = lambda name: "--" + name.replace("_", "-")
@@ -178,6 +188,15 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for name in ("lr", "dist_timeout_min", "is_cap", "init_lr_frac"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{flag(name)} must be > 0, got {getattr(cfg, name)}")
+    if cfg.is_correction != "none" and cfg.is_cap < 1:
+        act = "scale" if cfg.is_correction == "tis" else "mask"
+        raise ValueError(f"--is-cap {cfg.is_cap} is below 1, the ratio of a token the sampler and trainer agree on: "
+                         f"--is-correction {cfg.is_correction} would {act} away the on-policy tokens themselves; use "
+                         "a cap >= 1 (2 is usual)")
+    if cfg.num_steps is not None and cfg.warmup_steps >= cfg.num_steps:
+        raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be below --num-steps {cfg.num_steps}: the learning "
+                         "rate would still be rising when the run ends")
+    check_fits(cfg.examples_per_step * cfg.num_samples, cfg.max_new_tokens)
     if not DIST_TIMEOUT_MIN[0] <= cfg.dist_timeout_min <= DIST_TIMEOUT_MIN[1]:
         raise ValueError(f"--dist-timeout-min must be between 1/60 (a second) and {DIST_TIMEOUT_MIN[1]} (ten days), "
                          f"got {cfg.dist_timeout_min}")

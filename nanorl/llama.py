@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_llama.ipynb #735bc594
 from __future__ import annotations
-import math
+import math, os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +18,10 @@ from .model import KVCache, Linear, apply_rotary
 from .chat import read_json
 
 # %% auto #0
-__all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'MAX_POSITIONS', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE', 'Llama3Scaling',
-           'DecoderConfig', 'rope_settings', 'config_from_dict', 'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention',
-           'SwiGLU', 'DecoderLayer', 'Llama', 'safetensors_files', 'read_weights', 'check_weights', 'load_llama']
+__all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'MAX_POSITIONS', 'SIZES', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE',
+           'Llama3Scaling', 'DecoderConfig', 'rope_settings', 'machine_memory', 'check_fits_memory', 'config_from_dict',
+           'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention', 'SwiGLU', 'DecoderLayer', 'Llama',
+           'safetensors_files', 'read_weights', 'check_weights', 'load_llama']
 
 # %% ../nbs/03_llama.ipynb #0f6770e4
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -98,6 +99,25 @@ def rope_settings(cfg, source="config.json"):
     return theta, Llama3Scaling(*(params[n] for n in names))
 
 MAX_POSITIONS = 2**20   # rotary tables are built for every position at load: a bound keeps a typo from eating memory
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+def machine_memory() -> int:
+    "Bytes of memory this machine has (0 where the system does not say)."
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+def check_fits_memory(config: "DecoderConfig", source: str):
+    "A ValueError naming `source` when the model's float32 weights alone are more than this machine's memory."
+    c, heads = config, config.num_attention_heads
+    layer = c.hidden_size * (c.head_dim * (2 * heads + 2 * c.num_key_value_heads) + 3 * c.intermediate_size)
+    params = c.num_hidden_layers * layer + c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    have = machine_memory()
+    if have and 4 * params > have:
+        raise ValueError(f"{source}: {params:,} parameters ({4 * params / 2**30:,.0f} GiB in float32) are more than "
+                         f"this machine's {have / 2**30:,.0f} GiB of memory: the config is wrong, or the model too big "
+                         "for this machine")
 
 def config_from_dict(cfg, source="config.json"):
     "A `DecoderConfig` from the dict of a `config.json`; a ValueError naming `source` for what we cannot run."
@@ -115,10 +135,13 @@ def config_from_dict(cfg, source="config.json"):
     if not (isinstance(positions, int) and 1 <= positions <= MAX_POSITIONS):
         raise ValueError(f"{source}: max_position_embeddings must be an integer in [1, {MAX_POSITIONS}], "
                          f"got {positions!r}")
+    bad = [k for k in SIZES if not (isinstance(cfg[k], int) and cfg[k] >= 1)]
+    if bad:
+        raise ValueError(f"{source}: {', '.join(f'{k} {cfg[k]!r}' for k in bad)}: sizes must be integers >= 1")
     theta, scaling = rope_settings(cfg, source)
     bias = bool(cfg.get("attention_bias", False))
     heads = cfg["num_attention_heads"]
-    return DecoderConfig(
+    config = DecoderConfig(
         model_type=kind, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
@@ -127,6 +150,8 @@ def config_from_dict(cfg, source="config.json"):
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=kind == "qwen2" or bias, o_proj_bias=kind != "qwen2" and bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=kind == "qwen3", rope_theta=theta, rope_scaling=scaling)
+    check_fits_memory(config, source)
+    return config
 
 # %% ../nbs/03_llama.ipynb #e9ba77f4
 class RMSNorm(nn.Module):

@@ -64,7 +64,7 @@ def smollm2_default() -> Path:
     return cached_model("smollm2-135m-instruct", SMOLLM2_ENV)
 
 def qwen_default() -> Path:
-    "Where the Qwen2.5-Coder-0.5B-Instruct folder (`bench/qwen_coder.py`) is looked for: $NANORL_QWEN, else the cache's."
+    "Where Qwen2.5-Coder-0.5B-Instruct's folder (`bench/qwen_coder.py`) is looked for: $NANORL_QWEN, else the cache's."
     return cached_model("qwen2.5-coder-0.5b-instruct", QWEN_ENV)
 
 def smollm2_path(path=None, builder: str = "bench/smollm2.py") -> Path:
@@ -107,7 +107,7 @@ RECIPE = dict(model_tag="smollm2", device_type="cpu", num_steps=80, examples_per
 TASK_RECIPE = {"one-step": {}, "multi-step": dict(max_new_tokens=64),             # room for a third step
                "gsm8k": dict(model_tag="qwen", num_steps=20, max_new_tokens=384, lr=1e-5, eval_every=10,
                              eval_examples=32, eval_samples=2, save_every=10, dtype="bfloat16",
-                             device_batch_size=2)}   # passes of 2 replies: 8 held 22 GB at once (151,936 logits a token)
+                             device_batch_size=2)}   # passes of 2 replies: 8 held 22 GB (151,936 logits a token)
 
 def real_config(model_path, out_dir: str = "runs/real", task: str = "one-step", **changes) -> Config:
     "The trainer's Config of the real-model run on `task`: RECIPE with `changes`."

@@ -14,7 +14,7 @@ from .checkpoint import (CheckpointError, checkpoint_steps, hf_checkpoint_steps,
 # %% auto #0
 __all__ = ['LEFTOVER', 'STEERING', 'FILES', 'run_dir', 'check_writable', 'open_run_file', 'lock_run_dir', 'remove_leftovers',
            'release_run_dir', 'claim_run_dir', 'check_room', 'elastic_restarts', 'complete_steps', 'ranks_hint',
-           'load_resume_point', 'written_steps', 'resume_point', 'describe_changes', 'check_same_run']
+           'load_resume_point', 'written_steps', 'partial_hint', 'resume_point', 'describe_changes', 'check_same_run']
 
 # %% ../nbs/04a_rundir.ipynb #82498a56
 def run_dir(root, model_tag=None, model_path=None, model_config=None) -> Path:
@@ -62,6 +62,11 @@ def open_run_file(path, mode: str = "r"):
         what = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory"}.get(kind, "")
         raise ValueError(f"{path} is {what or 'not a regular file'}, where the run keeps a file of its own; "
                          "nanorl neither follows nor writes through it: remove it")
+    links = os.fstat(fd).st_nlink
+    if mode[0] != "r" and links > 1:                                       # a hard link: another name sees each write
+        os.close(fd)
+        raise ValueError(f"{path} has {links} hard links (a snapshot of the run?), so writing it would change the "
+                         "other names too; nanorl does not write through it: replace it by a copy (cp, then mv)")
     os.set_blocking(fd, True)
     if mode[0] == "w":
         os.ftruncate(fd, 0)                                                # only once it is known to be a file
@@ -196,11 +201,23 @@ def written_steps(directory: Path) -> list[int]:
         return []
     return sorted(set(checkpoint_steps(directory)) | set(hf_checkpoint_steps(directory)), reverse=True)
 
+def partial_hint(out: Path, world_size: int) -> str:
+    "Where only a cut-short save is there (no complete step): a sentence naming its files to delete, else ''."
+    found = written_steps(out)
+    if not found or complete_steps(out, world_size) or ranks_hint(out, world_size):
+        return ""
+    names = sorted(f.name for f in out.iterdir() if re.search(rf"_0*{found[0]}(_|\.|$)", f.name))
+    return (f"; it holds only an incomplete checkpoint of step {found[0]} (a save cut short): delete "
+            f"{', '.join(str(out / n) for n in names)} to start afresh there")
+
 def resume_point(out: Path, resume: bool, device, world_size: int, rank: int):
     "(model, optimizer, resume) states to continue from on --resume or a torchrun restart; None for a fresh run."
     steps = complete_steps(out, world_size)
     if not (resume or (elastic_restarts() > 0 and steps)):
         found = steps or ([] if elastic_restarts() else written_steps(out))   # complete for any number of ranks
+        if found and partial_hint(out, world_size):
+            raise ValueError(f"{out} cannot be resumed{partial_hint(out, world_size)}, or pass --output-dir/--model-tag"
+                             " to start a new run elsewhere")
         if found:
             raise ValueError(f"{out} already holds checkpoints of a run (step {found[0]}); pass --resume to continue "
                              "it, or --output-dir/--model-tag to start a new one elsewhere"
@@ -208,7 +225,8 @@ def resume_point(out: Path, resume: bool, device, world_size: int, rank: int):
         return None
     if not steps:
         raise ValueError(f"--resume: expected a complete checkpoint (model and meta or step folder, optimizer and "
-                         f"resume files of {world_size} rank(s)) in {out}, found none" + ranks_hint(out, world_size))
+                         f"resume files of {world_size} rank(s)) in {out}, found none" + ranks_hint(out, world_size)
+                         + partial_hint(out, world_size))
     return load_resume_point(out, steps, device, world_size, rank)
 
 # %% ../nbs/04a_rundir.ipynb #aea65b3c

@@ -103,6 +103,9 @@ class Trainer:
         if self.num_steps < 1:
             raise ValueError(f"{len(self.train_task)} training problems make no step of --examples-per-step "
                              f"{cfg.examples_per_step}; lower it or pass --num-steps")
+        if cfg.warmup_steps >= self.num_steps:
+            raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be below the run's {self.num_steps} steps: the "
+                             "learning rate would still be rising when the run ends")
         self.data = data_record(cfg, (self.train_task, self.val_task))      # what a resume checks of the data
         policy = load_policy(cfg, device, world_size, rank, self.data)   # holds the run directory's lock from here on
         try:

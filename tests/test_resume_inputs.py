@@ -5,7 +5,11 @@ import json
 
 import pytest
 
+import os
+
 from doubles import FIXTURES, save_tiny_hf_model
+from nanorl.llama import config_from_dict
+from nanorl.rundir import open_run_file
 from nanorl.config import config_from_args
 from nanorl.real import main as real_main
 from nanorl.real import gsm8k, problem_set, real_config, task_flag
@@ -101,3 +105,48 @@ def test_mps_on_a_machine_without_it_names_the_flag():
         pytest.skip("this machine has MPS")
     with pytest.raises(ValueError, match="--device-type mps"):
         validate(Config(device_type="mps"))
+
+
+def test_a_hard_linked_run_file_is_not_written_through(tmp_path):
+    "metrics.jsonl hard-linked from a snapshot: writing it is refused naming the file; the snapshot keeps its bytes."
+    run, snap = tmp_path / "metrics.jsonl", tmp_path / "snapshot.jsonl"
+    run.write_text('{"step": 0}\n')
+    os.link(run, snap)
+    for mode in ("a", "w", "a+"):
+        with pytest.raises(ValueError, match="2 hard links"):
+            open_run_file(run, mode)
+    assert snap.read_text() == '{"step": 0}\n' and open_run_file(run).read() == '{"step": 0}\n'   # reading is fine
+
+
+def test_a_save_cut_short_names_the_files_to_delete(real_run):
+    "Only an incomplete first checkpoint: a fresh start and --resume both name its files to delete."
+    run, _, d = real_run
+    (d / "optim_000000_rank0.pt").unlink()                    # the save was cut before the optimizer file
+    for argv in (run, [*run, "--resume"]):
+        msg = exit_message(real_main, argv)
+        assert "incomplete checkpoint of step 0" in msg and str(d / "step_000000") in msg and "\n" not in msg, msg
+        assert "optim_000000_rank0.pt" not in msg
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(num_samples=100_000_000), "--num-samples"),
+    (dict(examples_per_step=1_000_000_000), "--examples-per-step"),
+    (dict(warmup_steps=10**12, num_steps=5), "--warmup-steps"),
+    (dict(is_correction="tis", is_cap=1e-300), "--is-cap"),
+    (dict(is_correction="mask", is_cap=0.5), "--is-cap"),
+])
+def test_settings_that_cannot_fit_or_learn_are_refused(change, flag):
+    "Steps too big for the machine's memory, a warm-up longer than the run, a ratio cap under 1: named, not run."
+    with pytest.raises(ValueError, match=flag):
+        validate(Config(**change))
+
+
+def test_a_config_too_big_for_the_machine_is_named():
+    "num_hidden_layers 1,000,000 (or 0): config.json named, before any weight is allocated."
+    cfg = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4)
+    assert config_from_dict(cfg).num_hidden_layers == 2
+    with pytest.raises(ValueError, match=r"config.json: .* parameters .* more than this machine's"):
+        config_from_dict({**cfg, "num_hidden_layers": 10**12})
+    with pytest.raises(ValueError, match="num_hidden_layers 0: sizes must be integers >= 1"):
+        config_from_dict({**cfg, "num_hidden_layers": 0})
