@@ -361,21 +361,47 @@ def render_text(self: ChatTokenizer, messages, add_generation_prompt=False):
     return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 @patch
-def _chat_ids(self: ChatTokenizer, text):
-    "Ids and character offsets of a rendered chat, special tokens recognized, length checked against the model."
-    enc = self.tk.encode(text, add_special_tokens=False)
-    if self.max_len is not None and len(enc.ids) > self.max_len:
-        raise ValueError(f"the conversation renders to {len(enc.ids)} tokens, more than the model's "
+def _content_spans(self: ChatTokenizer, text, messages) -> list:
+    "(start, end) in `text` of each message content that holds a special token's text, in order."
+    spans, at = [], 0
+    for m in messages:
+        held = [s for s in self._special_ids if s in m["content"]]
+        if not held:
+            continue
+        start = text.find(m["content"], at)
+        if start < 0:
+            raise ValueError(f"a {m['role']} message holds the special token {held[0]!r} as text, and the chat "
+                             "template changes that message, so it cannot be kept plain: remove the token from it")
+        spans.append((start, start + len(m["content"])))
+        at = start + len(m["content"])
+    return spans
+
+@patch
+def _chat_ids(self: ChatTokenizer, text, messages=()):
+    "Ids and offsets of a rendered chat: the template's special tokens recognized, messages' own text kept plain."
+    ids, offsets, at = [], [], 0
+    for start, end in [*self._content_spans(text, messages), (len(text), len(text))]:
+        for tk, a, b in ((self.tk, at, start), (self.plain, start, end)):   # a user cannot forge a turn
+            if b > a:
+                enc = tk.encode(text[a:b], add_special_tokens=False)
+                ids += enc.ids
+                offsets += [(a + x, a + y) for x, y in enc.offsets]
+        at = end
+    if self.max_len is not None and len(ids) > self.max_len:
+        raise ValueError(f"the conversation renders to {len(ids)} tokens, more than the model's "
                          f"{self.max_len} positions (max_position_embeddings)")
-    return enc.ids, enc.offsets
+    return ids, offsets
 
 @patch
 def _check_generation_prompt(self: ChatTokenizer):
-    "Raise a ValueError if the template ignores add_generation_prompt."
+    "Raise a ValueError if the template ignores add_generation_prompt (checked once)."
+    if getattr(self, "_prompts_checked", False):
+        return
     probe = [{"role": "user", "content": "1 + 1?"}]
     if self.render_text(probe, True) == self.render_text(probe, False):
         raise ValueError(f"{self.template_source}: the chat template writes no generation prompt "
                          "(add_generation_prompt changes nothing), so it cannot prompt a completion")
+    self._prompts_checked = True
 
 @patch(as_prop=True)
 def end_of_turn_id(self: ChatTokenizer):
@@ -419,7 +445,7 @@ def render_conversation(self: ChatTokenizer, conversation, max_tokens=None):
     "Ids and loss mask (1 on each assistant message's content and its end-of-turn token) of a whole conversation."
     messages = template_messages(conversation)
     text = self.render_text(messages)
-    ids, offsets = self._chat_ids(text)
+    ids, offsets = self._chat_ids(text, messages)
     mask, eot = [0] * len(ids), self.end_of_turn_id
     for start, end in self.assistant_spans(messages, text):
         inside = [j for j, (a, b) in enumerate(offsets) if a >= start and b <= end]
@@ -436,7 +462,7 @@ def render_for_completion(self: ChatTokenizer, conversation):
     if messages[-1]["role"] != "assistant":
         raise ValueError(f"expected the last message to be the assistant's, found {messages[-1]['role']!r}")
     self._check_generation_prompt()
-    return self._chat_ids(self.render_text(messages[:-1], add_generation_prompt=True))[0]
+    return self._chat_ids(self.render_text(messages[:-1], add_generation_prompt=True), messages[:-1])[0]
 
 @patch
 def visualize(self: ChatTokenizer, ids, mask):

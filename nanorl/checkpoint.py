@@ -19,7 +19,7 @@ __all__ = ['SOURCES', 'ANY_CONTEXT', 'HF_CONFIG', 'HF_SIDE_FILES', 'MAX_SHARD_BY
            'build_model', 'resolve_checkpoint_dir', 'hf_step_dir', 'hf_checkpoint_steps', 'is_hf_folder',
            'check_hf_folder', 'resolve_hf_folder', 'load_hf_model', 'load_model', 'raise_write_error', 'atomic_save',
            'nanochat_meta', 'save_run_state', 'save_checkpoint', 'load_checkpoint', 'load_resume_state',
-           'ties_embeddings', 'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype',
+           'ties_embeddings', 'hf_state_dict', 'shard_state', 'write_safetensors', 'config_with_dtype', 'inside_folder',
            'save_hf_checkpoint', 'read_hf_state', 'save_hf_step']
 
 # %% ../nbs/04_checkpoint.ipynb #7c27b53e
@@ -514,6 +514,19 @@ def _publish_dir(tmp: Path, folder: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 # %% ../nbs/04_checkpoint.ipynb #128b4161
+def inside_folder(source: Path, name: str) -> bool:
+    "Whether `source/name` is the folder's own file: no link, or a link into the folder or the Hub cache's blobs."
+    path = source / name
+    if not path.is_symlink():
+        return True
+    target, home = path.resolve(), source.resolve()
+    blobs = home.parents[1] / "blobs" if len(home.parents) > 1 else home                  # snapshots/<rev>/ -> blobs/
+    if target.is_relative_to(home) or target.is_relative_to(blobs):
+        return True
+    warnings.warn(f"{path} is a link to {target}, outside the model folder: it is not copied into the run's "
+                  "checkpoints (copy the file itself into the folder to keep it)")
+    return False
+
 def save_hf_checkpoint(folder, model, source_folder, dtype=None, max_shard_bytes=MAX_SHARD_BYTES) -> Path:
     "A Hugging Face folder transformers loads: source's config.json (dtype updated), safetensors, tokenizer files."
     folder, source = Path(folder).expanduser(), Path(source_folder).expanduser()
@@ -529,7 +542,7 @@ def save_hf_checkpoint(folder, model, source_folder, dtype=None, max_shard_bytes
         dtype = next(iter(state.values())).dtype
         (tmp / HF_CONFIG).write_text(json.dumps(config_with_dtype(config, dtype), indent=2) + "\n")
         for name in HF_SIDE_FILES:
-            if (source / name).is_file():
+            if (source / name).is_file() and inside_folder(source, name):
                 shutil.copyfile(source / name, tmp / name)
         _sync_files(tmp)
         _publish_dir(tmp, folder)

@@ -277,16 +277,20 @@ def claim_dir(out: Path):
     lock_run_dir(out, "another --output-dir")          # two demos on one folder: the second stops here
     try:
         written = read_mark(out)
-        stray = sorted(demo_files(out) - written)
+        top = sorted(p.name for p in out.iterdir() if p.name not in (".lock", DEMO_MARK))
+        stray = sorted(demo_files(out) - written) if written else top    # unmarked: no walk through a whole tree
         if stray:
             killed = " (a demo killed mid-run leaves files it had not listed yet: delete the folder)" if written else ""
             raise ValueError(f"--output-dir {out} holds files the demo did not write ({', '.join(stray[:3])}"
                              f"{', ...' if len(stray) > 3 else ''}); the demo only replaces its own files: give it a "
                              f"new or empty folder{killed}")
-    except ValueError:
+    except BaseException as e:
         release_run_dir(out)
         if own_lock:
-            (out / ".lock").unlink()                    # the folder is left as it was found
+            (out / ".lock").unlink(missing_ok=True)     # the folder is left as it was found
+        if isinstance(e, OSError):
+            raise ValueError(f"--output-dir {out}: {e.strerror or e} ({e.filename}); give the demo a new or empty "
+                             "folder it may write") from e
         raise
     gone = written & demo_files(out)                    # listed, and a file inside `out` now
     for name in gone:

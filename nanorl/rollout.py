@@ -103,14 +103,15 @@ def problem_source(task, i: int) -> str:
         task = getattr(task, "task", None)                                      # a TaskView's inner task
     return f" ({task.where(i)})" if task is not None else ""
 
-def check_prompt_room(tokenizer, task, max_new_tokens: int, limit: int, flag: str = "--max-new-tokens", look=64):
-    "Raise a ValueError naming `flag` if the task's longest prompts (the `look` longest by characters) leave no room."
-    by_chars = sorted(range(len(task)), key=lambda i: -len(json.dumps(task[i], default=str)))[:look]
-    try:
-        longest, i = max((len(prompt_ids(tokenizer, task[i])), i) for i in by_chars)
-    except Exception as e:                          # a chat template that raises, a conversation it cannot render
-        raise ValueError(f"the prompt of problem {by_chars[0]} of {type(task).__name__} cannot be rendered by the "
-                         f"tokenizer's chat template ({type(e).__name__}: {e})") from e
+def check_prompt_room(tokenizer, task, max_new_tokens: int, limit: int, flag: str = "--max-new-tokens"):
+    "Raise a ValueError naming `flag` if any of the task's prompts leaves no room, or cannot be rendered."
+    longest, i = 0, 0
+    for j in range(len(task)):                      # every prompt: a short text can still be many tokens
+        try:
+            longest, i = max((longest, i), (len(prompt_ids(tokenizer, task[j])), j))
+        except Exception as e:                      # a chat template that raises, a conversation it cannot render
+            raise ValueError(f"the prompt of problem {j} of {type(task).__name__}{problem_source(task, j)} cannot "
+                             f"be rendered by the tokenizer's chat template ({type(e).__name__}: {e})") from e
     if longest >= limit:                            # no setting of the flag fits it: name the problem itself
         raise ValueError(f"problem {i} of {type(task).__name__}{problem_source(task, i)} has a prompt of at least "
                          f"{longest} tokens, as long as the model's {limit} positions: no {flag} fits it; remove it "

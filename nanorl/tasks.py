@@ -107,11 +107,12 @@ def read_jsonl(path, skip_bad: bool = False) -> list[dict]:
             continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
+        except ValueError as e:                                      # not JSON, or an integer of over 4,300 digits
+            why = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0]
             if skip_bad:                                             # a log whose last write was cut short
-                warnings.warn(f"{path}, line {n} is not JSON ({e.msg}); it is left out")
+                warnings.warn(f"{path}, line {n} is not JSON ({why}); it is left out")
                 continue
-            raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); expected one JSON object per line") from e
+            raise ValueError(f"{path}, line {n}: not JSON ({why}); expected one JSON object per line") from e
         if not isinstance(rows[-1], dict):
             raise ValueError(f"{path}, line {n}: a JSON {type(rows[-1]).__name__}, expected one object per line")
     return rows
