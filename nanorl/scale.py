@@ -16,8 +16,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .optim import Muon, MultiOptimizer, fast_matmul_dtype
-from .llama import Llama
-from .speedups import packed_weights
 
 # %% auto #0
 __all__ = ['autodetect_device_type', 'init_distributed', 'process_group', 'compute_dtype', 'autocast_for', 'check_rank_settings',
@@ -158,8 +156,9 @@ def is_sharded(model) -> bool:
 
 def shard_units(model) -> list:
     "The submodules sharded as units of their own: the transformer blocks, and nanochat's value embeddings."
-    if isinstance(model, Llama):
-        return list(model.model.layers)
+    layers = getattr(getattr(model, "model", None), "layers", None)    # a Hugging Face family's decoder layers
+    if layers is not None:
+        return list(layers)
     value_embeds = getattr(model, "value_embeds", None)
     return list(model.transformer.h) + (list(value_embeds.values()) if value_embeds is not None else [])
 
@@ -189,6 +188,7 @@ def gathered(model):
         unit.unshard()
         if unit is not model:                       # the root keeps its weights after a forward anyway
             unit.set_reshard_after_forward(False, recurse=False)
+    from nanorl.speedups import packed_weights    # the speed room, loaded only where a model is sharded
     try:
         with packed_weights(model):
             yield model

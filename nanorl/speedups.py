@@ -36,10 +36,18 @@ def _onednn_usable(weight):
 class PackedLinear:
     "x @ W.T + b with W (out, in) reordered once for oneDNN (float32 on a CPU, no gradient); F.linear otherwise."
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True):
-        self.weight, self.low = weight.detach(), None                          # valid until the weight changes
+        self.weight, self.low = weight.detach(), None                          # shares the weight's version counter
         self.bias = None if bias is None else bias.detach()
-        self._packed = LATER if onednn and _onednn_usable(self.weight) else None   # reordered at its first use
+        self.onednn = onednn and _onednn_usable(self.weight)
+        self._packed = LATER if self.onednn else None                          # reordered at its first use
         self._transposed = None                                                # W.T reordered, for d x (training)
+        self.version = self.weight._version                                    # the weight the copies were made of
+
+    def refresh(self):
+        "Drop every copy if the weight changed in place since they were made (an update inside the block)."
+        if self.weight._version != self.version:
+            self.version, self.low, self._transposed = self.weight._version, None, None
+            self._packed = LATER if self.onednn else None
 
     @property
     def packed(self):
@@ -57,6 +65,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         "(..., in) -> (..., out)."
+        self.refresh()
         if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.weight, self.bias)
         if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16:
@@ -78,6 +87,7 @@ class PackedLinear:
 
     def trained(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         "x @ weight.T + bias with gradients to all three: every product in oneDNN if W is packed, else F.linear."
+        self.refresh()
         plain = weight.shape != self.weight.shape or x.dtype != torch.float32 or not x.numel()  # e.g. a padded head
         if plain or self.packed is None or torch.is_autocast_enabled("cpu"):
             return F.linear(x, weight, bias)
@@ -112,16 +122,25 @@ class OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, pack):
         "(..., in) -> (..., out) through `pack`, the PackedLinear of `weight`."
         ctx.pack, ctx.with_bias = pack, bias is not None
-        ctx.save_for_backward(x)
-        return _onednn(x.reshape(-1, x.shape[-1]).contiguous(), pack.packed, bias).view(*x.shape[:-1], -1)
+        ctx.save_for_backward(x, weight)
+        try:
+            return _onednn(x.reshape(-1, x.shape[-1]).contiguous(), pack.packed, bias).view(*x.shape[:-1], -1)
+        except RuntimeError:                                # the private op refused: the plain product, from now on
+            pack.onednn, pack.packed = False, None
+            return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         "d x = g @ W, d W = g.T @ x, d b = the sum of g over rows."
-        x, = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1])    # (N, out), (N, in)
-        grad_x = _onednn(g2, ctx.pack.transposed).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = _onednn(g2.t(), x2.t()) if ctx.needs_input_grad[1] else None    # (out, in): strided, no copies
+        try:
+            grad_x = _onednn(g2, ctx.pack.transposed).view(x.shape) if ctx.needs_input_grad[0] else None
+            grad_w = _onednn(g2.t(), x2.t()) if ctx.needs_input_grad[1] else None    # (out, in): strided, no copies
+        except RuntimeError:                                # the private ops refused: plain products
+            ctx.pack.onednn, ctx.pack.packed = False, None
+            grad_x = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+            grad_w = g2.t() @ x2 if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 

@@ -77,3 +77,46 @@ def test_a_side_file_linked_out_of_the_folder_is_not_copied(qwen, tmp_path):
         warnings.simplefilter("error")
         out = save_hf_checkpoint(tmp_path / "step2", model, source)
     assert (out / "merges.txt").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+
+def test_the_taught_step_imports_no_speed_or_hugging_face_code():
+    "`import nanorl.step` in a fresh interpreter loads no speed room, no Llama, no chat templates, no jinja2."
+    import subprocess
+    import sys
+
+    code = "import sys, nanorl.step; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert "nanorl.step" in loaded
+    assert not loaded & {"nanorl.speedups", "nanorl.llama", "nanorl.chat", "jinja2", "transformers"}, loaded
+
+
+def test_onednn_training_falls_back_and_sees_updates(monkeypatch):
+    "Private oneDNN ops refusing: the trained product and its gradients are F.linear's; an in-place update repacks."
+    import torch.nn.functional as F
+
+    import nanorl.speedups as speedups
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(512, 256, requires_grad=True), torch.randn(512, requires_grad=True), torch.randn(8, 256)
+    pack = speedups.PackedLinear(w, b)
+    with torch.no_grad():
+        before = pack(x)
+        w.add_(1.0)                                                    # an update inside the block
+        after = pack(x)
+    tol = dict(rtol=1e-4, atol=1e-4)                                  # float32 products in two kernels' orders
+    torch.testing.assert_close(before + x.sum(1, keepdim=True), after, **tol)   # (W + 1) x = W x + sum(x)
+    torch.testing.assert_close(after, F.linear(x, w.detach(), b.detach()), **tol)
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn op not available")
+
+    monkeypatch.setattr(speedups, "_onednn", refuse)
+    xg = x.clone().requires_grad_(True)
+    out = pack.trained(xg, w, b)
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in (xg, w, b)]
+    for t in (xg, w, b):
+        t.grad = None
+    F.linear(xg, w, b).square().sum().backward()
+    for got, want in zip(grads, (xg.grad, w.grad, b.grad)):
+        torch.testing.assert_close(got, want, **tol)
