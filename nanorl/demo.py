@@ -22,8 +22,9 @@ from .tasks import Arithmetic, TaskView
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
 from .rundir import lock_run_dir, open_run_file, release_run_dir
-from .train import (ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, PRESETS, Config, NonFiniteError, add_config_flag,
-                          make_tasks, train)
+from .config import PRESETS, Config, add_config_flag
+from .start import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, make_tasks
+from .train import NonFiniteError, train
 
 # %% auto #0
 __all__ = ['DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',

@@ -16,14 +16,16 @@ from .engine import Engine
 from .speedups import use_fast_paths
 from .rollout import completion_text, prompt_ids
 from .tasks import GSM8K, Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
-from .train import Config, NonFiniteError, add_config_flag, config_help, make_tasks, train, validate
+from .config import Config, add_config_flag, config_help, validate
+from .start import make_tasks
+from .train import NonFiniteError, train
 from .demo import plot_run, set_threads
 
 # %% auto #0
 __all__ = ['INSTRUCTION', 'SMOLLM2_ENV', 'QWEN_ENV', 'TASKS', 'PROBLEMS', 'REAL_DIFFICULTY', 'RECIPE', 'TASK_RECIPE',
            'final_number', 'FinalNumber', 'cached_model', 'smollm2_default', 'qwen_default', 'smollm2_path',
-           'check_task', 'real_tasks', 'task_flag', 'problem_set', 'one_step', 'multi_step', 'gsm8k', 'real_config',
-           'sample_answers', 'run_real', 'real_parser', 'main']
+           'check_task', 'real_tasks', 'task_flag', 'problem_set', 'one_step_tasks', 'multi_step_tasks', 'gsm8k_tasks',
+           'real_config', 'sample_answers', 'run_real', 'real_parser', 'main']
 
 # %% ../nbs/18_real.ipynb #df1b62d1
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -91,15 +93,15 @@ def real_tasks(seed: int = 0, task: str = "one-step", data_dir=None):
 
 def task_flag(problems: str) -> str:
     "The trainer's `--task` of a problem set (a factory below): the run's config records --problems, and so a resume."
-    return f"nanorl.real:{check_task(problems).replace('-', '_')}"
+    return f"nanorl.real:{check_task(problems).replace('-', '_')}_tasks"
 
 def problem_set(cfg: Config) -> str:
     "The problem set that a config's `--task` names (`task_flag`'s inverse)."
-    return check_task(cfg.task.rpartition(":")[2].replace("_", "-"))
+    return check_task(cfg.task.rpartition(":")[2].removesuffix("_tasks").replace("_", "-"))
 
-def one_step(cfg: Config): return real_tasks(cfg.seed, "one-step")                 # the factories `task_flag` names
-def multi_step(cfg: Config): return real_tasks(cfg.seed, "multi-step")
-def gsm8k(cfg: Config): return real_tasks(cfg.seed, "gsm8k", cfg.data_dir)
+def one_step_tasks(cfg: Config): return real_tasks(cfg.seed, "one-step")           # the factories `task_flag` names
+def multi_step_tasks(cfg: Config): return real_tasks(cfg.seed, "multi-step")
+def gsm8k_tasks(cfg: Config): return real_tasks(cfg.seed, "gsm8k", cfg.data_dir)
 
 RECIPE = dict(model_tag="smollm2", device_type="cpu", num_steps=80, examples_per_step=4, num_samples=8,
               device_batch_size=8, max_new_tokens=48, temperature=0.7, top_k=50, lr=3e-5, warmup_steps=0,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from .model import GPT, Linear, check_loss_request
 from .llama import Llama
 
@@ -43,9 +44,9 @@ class PackedLinear:
         self._transposed = None                                                # W.T reordered, for d x (training)
         self.version = self.weight._version                                    # the weight the copies were made of
 
-    def refresh(self):
-        "Drop every copy if the weight changed in place since they were made (an update inside the block)."
-        if self.weight._version != self.version:
+    def refresh(self, updated: bool = False):
+        "Drop every copy if the weight changed since they were made: in place, or `updated` by an optimizer step."
+        if updated or self.weight._version != self.version:
             self.version, self.low, self._transposed = self.weight._version, None, None
             self._packed = LATER if self.onednn else None
 
@@ -160,9 +161,16 @@ def packed_weights(model: GPT | Llama):
         weight = m.weight[: model.config.vocab_size] if m is model.lm_head else m.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:     # the head: decode steps always pay
             m.pack = PackedLinear(weight, m.bias, onednn=m is model.lm_head or onednn_pays(*weight.shape))
+    def after_step(optimizer, args, kwargs):                  # fused AdamW leaves `_version` as it was
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for m in opened:
+            if m.pack is not None and id(m.weight) in stepped:
+                m.pack.refresh(updated=True)
+    watch = register_optimizer_step_post_hook(after_step)
     try:
         yield model
     finally:
+        watch.remove()
         for m in opened:
             m.pack = None
 

@@ -4,8 +4,7 @@
 
 # %% ../nbs/16_train.ipynb #5ba25a36
 from __future__ import annotations
-import copy, dataclasses, importlib, json, math, os, sys, time
-from dataclasses import dataclass
+import dataclasses, json, math, os, sys, time
 from pathlib import Path
 
 import torch
@@ -15,27 +14,22 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .rollout import Rollout, check_prompt_room, halve_after_oom, sample_seeds, step_examples
-from .checkpoint import CheckpointError, file_sha256, load_hf_model, load_model, save_checkpoint, save_hf_step
-from .rundir import (check_same_run, check_writable, claim_run_dir, describe_changes, elastic_restarts,
-                           open_run_file, release_run_dir, resume_point)
+from .checkpoint import CheckpointError, save_checkpoint, save_hf_step
+from .rundir import check_writable, elastic_restarts, open_run_file, release_run_dir
 from .engine import context_limit
-from .llama import Llama
-from .tasks import (GSM8K, Arithmetic, Countdown, TaskView, as_task, countdown_files, read_countdown_rows,
-                          read_jsonl)
+from .tasks import read_jsonl
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
 from .scale import (PhasePeaks, autocast_for, check_ranks_agree, compute_dtype, full_model_state,
-                          full_optim_state, gather_muon, is_sharded, process_group, reduce_max, reduce_sums,
-                          shard_model, sharded_optim_state, use_sparse_embedding_grads)
+                          full_optim_state, is_sharded, process_group, reduce_max, reduce_sums, shard_model,
+                          use_sparse_embedding_grads)
 from .vllm_engine import rollout_engine
 from .step import PASS_SUMS, NonFiniteError, Policy, Scores, learn, sample, score, update
-from .config import (PRESETS, Config, add_config_flag, config_from_args, config_help, resolve_preset,
-                           validate)
+from .config import Config, config_from_args, resolve_preset, validate
+from .start import PolicyStart, build_optimizer, check_tasks, data_record, load_policy, make_tasks
 
 # %% auto #0
-__all__ = ['ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'lr_multiplier', 'RunLog', 'Trainer', 'check_tasks',
-           'train', 'make_tasks', 'task_files', 'data_record', 'PolicyStart', 'load_policy', 'continue_run',
-           'build_optimizer', 'main']
+__all__ = ['lr_multiplier', 'RunLog', 'Trainer', 'train', 'main']
 
 # %% ../nbs/16_train.ipynb #5b266007
 def lr_multiplier(step: int, num_steps: int, schedule: str = "linear", warmup: int = 0) -> float:
@@ -293,23 +287,6 @@ def run(self: Trainer) -> list[dict]:
     return log.records() if self.master else []
 
 # %% ../nbs/16_train.ipynb #9c101ea5
-def check_tasks(tasks, cfg: Config):
-    "The (training, held-out) pair of a run, each checked for the task protocol and for problems."
-    if len(tasks) != 2:
-        raise ValueError(f"tasks must be (training task, held-out task), got {len(tasks)} items")
-    checked = tuple(as_task(t, f"the {name} task") for t, name in zip(tasks, ("training", "held-out")))
-    for name, t, given in zip(("training", "held-out"), checked, tasks):
-        try:
-            size = len(t)
-        except (OverflowError, ValueError, TypeError) as e:                 # __len__ gave 10**30, -1 or a float
-            kind = type(given).__name__
-            raise ValueError(f"the {name} task of --task {cfg.task} ({kind}) has no usable length: len() failed "
-                             f"({e}); its __len__ must return the number of problems, an int in [0, 2**63)") from None
-        if size == 0:
-            where = f" (--data-dir {cfg.data_dir})" if cfg.data_dir else ""
-            raise ValueError(f"the {name} task of --task {cfg.task} has no problems{where}")
-    return checked
-
 def train(cfg: Config, tasks=None) -> list[dict]:
     "Run on-policy RL as `cfg` says (preset resolved first), on `tasks` if given; returns rank 0's records."
     cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
@@ -323,137 +300,6 @@ def train(cfg: Config, tasks=None) -> list[dict]:
         finally:
             getattr(trainer.engine, "close", lambda: None)()      # vLLM: shut down, its copy of the folder deleted
             release_run_dir(trainer.out)
-
-# %% ../nbs/16_train.ipynb #76e06a95
-ARITHMETIC_PROBLEMS = 4000                     # training problems of --task arithmetic, drawn with the run's seed
-HELD_OUT_SEED, HELD_OUT_PROBLEMS = 1234, 1000  # its fixed held-out set
-
-def make_tasks(cfg: Config):
-    "(train task, held-out task) for the run; a ValueError for unreadable data or an empty task."
-    try:
-        return check_tasks(_build_tasks(cfg), cfg)
-    except SystemExit as e:                       # a task module that exits on import (or its factory): an error
-        if ":" not in cfg.task:
-            raise
-        raise ValueError(f"--task {cfg.task}: sys.exit({e.code!r}) was called while importing {cfg.task.split(':')[0]} "
-                         "or building its tasks; a task module must define its tasks, not exit") from None
-    except (ImportError, AttributeError, TypeError) as e:
-        if ":" not in cfg.task:
-            raise
-        if f"--task {cfg.task}" in str(e):                                     # named already
-            raise ValueError(str(e)) from e
-        raise ValueError(f"--task {cfg.task}: {type(e).__name__}: {e} (expected module:name, where name is a task "
-                         "class taking split=, or a factory of the config returning (training task, held-out task))"
-                         ) from e
-
-def _build_tasks(cfg: Config):
-    "The task pair named by --task."
-    if ":" in cfg.task:
-        module, name = cfg.task.split(":")
-        maker = getattr(importlib.import_module(module), name)
-        if not isinstance(maker, type):
-            made = maker(cfg)                                                   # a factory of the config
-            if not (isinstance(made, (tuple, list)) and len(made) == 2):
-                raise TypeError(f"the factory returned {type(made).__name__}, not (training task, held-out task)")
-            train_task, held_out = made
-            name = f"--task {cfg.task}"
-            return as_task(train_task, f"{name} (training)"), as_task(held_out, f"{name} (held-out)")
-        extra = {"data_dir": cfg.data_dir} if cfg.data_dir else {}
-        return tuple(as_task(maker(split=split, **extra), f"--task {cfg.task}") for split in ("train", "test"))
-    if cfg.task == "arithmetic":   # the demo's task: problems from the run's seed, a fixed held-out set
-        return (Arithmetic(n=ARITHMETIC_PROBLEMS, seed=cfg.seed, split="train"),
-                Arithmetic(n=HELD_OUT_PROBLEMS, seed=HELD_OUT_SEED, split="test"))
-    if cfg.task == "countdown":  # --data-dir: a jsonl/parquet file (or folder) of nums/target rows; else generated
-        rows = read_countdown_rows(cfg.data_dir) if cfg.data_dir else None   # read once for both splits
-        pair = Countdown("train", rows, n=20_000, seed=cfg.seed), Countdown("test", rows, n=1_000, seed=cfg.seed)
-        for task in pair:
-            task.files = countdown_files(cfg.data_dir) if cfg.data_dir else []   # for a resume's data check
-        return pair
-    if cfg.task != "gsm8k":
-        raise ValueError(f"unknown --task {cfg.task!r}: expected gsm8k, countdown, arithmetic or module:factory")
-    return (GSM8K("main", "train", data_dir=cfg.data_dir, base_dir=cfg.base_dir),
-            GSM8K("main", "test", data_dir=cfg.data_dir, base_dir=cfg.base_dir))
-
-def task_files(task) -> list:
-    "The local data files a task read (a `TaskView`: its wrapped task's); none for generated or Hub problems."
-    while isinstance(task, TaskView) and not hasattr(task, "files"):
-        task = task.task
-    return list(getattr(task, "files", []))
-
-def data_record(cfg: Config, tasks) -> dict:
-    "What a resume checks of its inputs: --data-dir and the sha256 of each file the tasks and --model-path hold."
-    root = Path(cfg.data_dir).expanduser().absolute() if cfg.data_dir else None
-    home = root.parent if root and root.is_file() else root            # a Countdown file: named in its folder
-    name = lambda f: f.relative_to(home).as_posix() if home and f.is_relative_to(home) else str(f)
-    files = sorted({Path(f).expanduser().absolute() for t in tasks for f in task_files(t)})
-    folder = Path(cfg.model_path).expanduser() if cfg.model_path else None   # re-read by every resume
-    model = sorted(f for f in folder.iterdir() if f.is_file()) if folder and folder.is_dir() else []
-    return {"data_dir": str(root) if root else None, "data_sha256": {name(f): file_sha256(f) for f in files},
-            "model_sha256": {f.name: file_sha256(f) for f in model}}
-
-# %% ../nbs/16_train.ipynb #b2a4c6e8
-@dataclass
-class PolicyStart:
-    "What a run starts from: the policy, its tokenizer, the run directory, and what a resume restores."
-    model: torch.nn.Module
-    tokenizer: object
-    out: Path                            # chatrl_checkpoints/<tag> of this run
-    optim_state: dict | None = None      # the optimizer state to continue with (resume only)
-    resume: dict | None = None           # step, RNG state and counters to continue with (resume only)
-    reference: torch.nn.Module | None = None   # frozen source model for --kl-coef
-
-def load_policy(cfg: Config, device, world_size: int, rank: int, data: dict | None = None) -> PolicyStart:
-    "The source checkpoint's policy, or this run's last complete checkpoint on --resume (`data`: checked on resume)."
-    if cfg.model_path:
-        model, tokenizer, meta = load_hf_model(cfg.model_path, device, phase="train")
-    else:
-        model, tokenizer, meta = load_model(cfg.source, device, model_tag=cfg.model_tag, step=cfg.model_step,
-                                            phase="train", base_dir=cfg.base_dir)
-    out = cfg.run_dir(model.config)
-    claim_run_dir(out, 3 * 4 * sum(p.numel() for p in model.parameters()), device, world_size, rank)
-    try:
-        start = PolicyStart(model, tokenizer, out, reference=copy.deepcopy(model).eval().requires_grad_(False)
-                            if cfg.kl_coef > 0 else None)
-        found = resume_point(out, cfg.resume, device, world_size, rank)   # after the reference; None: a fresh run
-        if found:
-            continue_run(start, found, cfg, rank, data)
-    except BaseException:
-        release_run_dir(out)
-        raise
-    return start
-
-def continue_run(start: PolicyStart, found, cfg: Config, rank: int, data: dict | None = None):
-    "Load resumed states into `start` if the settings and `data` (a `data_record`) continue the run that wrote them."
-    state, start.optim_state, start.resume = found
-    saved, now = start.resume.get("config", {}), dataclasses.asdict(cfg)
-    if data is not None and "data" in start.resume:          # the data's folder (absolute) and files, as recorded
-        saved, now = saved | start.resume["data"], now | data
-    changed = check_same_run(saved, now, cfg.allow_changes)
-    if changed and rank == 0:
-        tqdm.write("nanorl: --allow-changes: " + describe_changes(changed))
-    try:
-        start.model.load_state_dict(state)
-    except RuntimeError as e:
-        raise CheckpointError(f"the checkpoint in {start.out} does not fit the model this run starts from (was the "
-                              f"starting checkpoint replaced since the run began?): {str(e)[:300]}") from e
-
-def build_optimizer(model, cfg: Config, optim_state: dict | None = None):
-    "nanochat's groups at init_lr_frac of their base rates (a HF model: AdamW at --lr), or the resumed state."
-    if isinstance(model, Llama):
-        optimizer = model.setup_optimizers(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        optimizer = model.setup_optimizers(unembedding_lr=cfg.unembedding_lr, embedding_lr=cfg.embedding_lr,
-                                           matrix_lr=cfg.matrix_lr, weight_decay=cfg.weight_decay)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] = group["initial_lr"] * cfg.init_lr_frac
-    if is_sharded(model):
-        optimizer = gather_muon(optimizer)
-    if optim_state is not None:        # a whole state dict (any run's): cut to this rank's slices when sharded
-        rates = [g["initial_lr"] for g in optimizer.param_groups]   # the config's (changed only by --allow-changes)
-        optimizer.load_state_dict(sharded_optim_state(optimizer, optim_state) if is_sharded(model) else optim_state)
-        for group, rate in zip(optimizer.param_groups, rates):
-            group["initial_lr"] = rate
-    return optimizer
 
 # %% ../nbs/16_train.ipynb #ec564c40
 #| eval: false

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from nanorl.model import GPT, GPTConfig
 from nanorl.scale import gathered, held_bytes, memory_per_rank, peak_memory, reset_peak_memory, shard_model, shard_units
 from nanorl.step import Policy, update
-from nanorl.train import Config, build_optimizer
+from nanorl.config import Config
+from nanorl.start import build_optimizer
 
 SHAPE = GPTConfig(sequence_len=128, vocab_size=16384, n_layer=4, n_head=2, n_kv_head=2, n_embd=256)  # 20M parameters
 

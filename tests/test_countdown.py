@@ -13,7 +13,8 @@ from nanorl.chat import template_messages
 from nanorl.rollout import Sampling, collate, completion_text, prompt_ids, rollout, sample_seeds
 from nanorl.step import score
 from nanorl.tasks import COUNTDOWN_SYSTEM, Countdown, CountdownShaping, countdown_reward
-from nanorl.train import Config, config_from_args, make_tasks, validate
+from nanorl.config import Config, config_from_args, validate
+from nanorl.start import make_tasks
 
 NUMS = st.lists(st.integers(1, 99), min_size=3, max_size=4)
 ANSWER_CHARS = st.sampled_from(list("0123456789+-*/() =.x^÷×\n\t") + ["**", "//", "<answer>", "</answer>", "١"])

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from nanorl.demo import DemoConfig, before_after, make_control_tasks, run_demo, run_rl
-from nanorl.train import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, Config, make_tasks
+from nanorl.config import Config
+from nanorl.start import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, make_tasks
 
 
 @pytest.fixture(scope="module")

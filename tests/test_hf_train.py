@@ -19,7 +19,8 @@ from nanorl.checkpoint import (
 )
 from nanorl.engine import DEFAULT_MAX_NEW_TOKENS, Engine
 from oracles import reference_generate
-from nanorl.train import Config, build_optimizer, train
+from nanorl.start import build_optimizer
+from nanorl.train import Config, train
 
 transformers = pytest.importorskip("transformers")
 SMALL = small_run(lr="1e-3")

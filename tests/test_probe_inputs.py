@@ -120,3 +120,25 @@ def test_onednn_training_falls_back_and_sees_updates(monkeypatch):
     F.linear(xg, w, b).square().sum().backward()
     for got, want in zip(grads, (xg.grad, w.grad, b.grad)):
         torch.testing.assert_close(got, want, **tol)
+
+
+def test_an_optimizer_step_inside_a_packed_block_repacks():
+    "Fused AdamW (no `_version` bump) stepping inside `packed_weights`: the next forward uses the new weights."
+    from nanorl.model import GPT, GPTConfig
+    from nanorl.speedups import packed_weights, use_fast_paths
+
+    torch.manual_seed(0)
+    model = use_fast_paths(GPT(GPTConfig(sequence_len=16, vocab_size=512, n_layer=3, n_head=2, n_kv_head=2, n_embd=512)))
+    model.init_weights()
+    x = torch.randint(0, 512, (1, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with packed_weights(model):
+        with torch.no_grad():
+            model(x)                                                   # the copies made and used
+        model(x).float().mean().backward()
+        opt.step()
+        with torch.no_grad():
+            inside = model(x)
+    with torch.no_grad():
+        outside = model(x)                                             # no block: the plain products
+    torch.testing.assert_close(inside, outside, rtol=1e-4, atol=1e-4)

@@ -24,6 +24,7 @@ COVERED = {
     "--engine=vllm --is-correction=tis": "test_torchrun_vllm_line",
     "python -m nanorl.train --help": "test_train_help",
     "make real": "test_make_real",
+    "make gsm8k": "test_make_gsm8k",
     GPU_VENV: "test_gpu_setup",
     "make setup CONSTRAINTS=": "test_gpu_setup",
 }
@@ -213,6 +214,28 @@ def test_make_real(tmp_path):
     assert (
         0 <= summary["before"] <= 1 and summary["config"]["lr"] == real_config(out).lr
     )  # the recorded recipe, flags unchanged
+
+
+def test_make_gsm8k(tmp_path):
+    "`make gsm8k` = install the converter, build the Qwen folder, `nanorl.real --problems gsm8k`; run on a tiny Qwen2."
+    from doubles import save_tiny_hf_model
+
+    (line,) = commands_of("test_make_gsm8k")
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "-n", *line.split()[1:]], cwd=ROOT, env=make_env, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    recipe = [l.split() for l in dry.stdout.splitlines() if "/python" in l]
+    assert [w[1:3] for w in recipe] == [["-m", "pip"], ["bench/qwen_coder.py"], ["-m", "nanorl.real"]], dry.stdout
+    assert recipe[-1][3:] == ["--problems", "gsm8k", "--data-dir", "../shared/data/gsm8k", "--threads", "2"]
+    save_tiny_hf_model("qwen2", tmp_path / "tiny")
+    out = tmp_path / "run"
+    args = ["--model-path", tmp_path / "tiny", "--problems", "gsm8k", "--data-dir", GSM8K_SLICE, "--num-steps", "1",
+            "--eval-examples", "2", "--max-new-tokens", "8", "--output-dir", out, "--threads", "1"]
+    p = run_or_fail([sys.executable, "-m", "nanorl.real", *args], timeout=600)
+    assert "held-out pass@1" in p.stdout
+    summary = json.loads((out / "real_summary.json").read_text())
+    assert summary["task"] == "gsm8k" and summary["config"]["task"] == "nanorl.real:gsm8k_tasks"
+    assert summary["config"]["data_dir"] == str(GSM8K_SLICE) and len(summary["answers_after"]) == 3
 
 
 def stand_in_index(root, name="torch", version="2.13.0+cu128"):

@@ -48,7 +48,8 @@ def test_missing_folder_is_a_clear_error(tmp_path):
 def test_recipe_trains_the_folder_with_adamw_at_its_rate(tmp_path):
     "real_config's run: the folder as --model-path, the changes applied; one AdamW at its rate over every parameter."
     from doubles import save_tiny_hf_model
-    from nanorl.train import build_optimizer, load_policy, validate
+    from nanorl.start import build_optimizer, load_policy
+    from nanorl.train import validate
 
     save_tiny_hf_model("llama", tmp_path / "m")
     cfg = validate(real_config(tmp_path / "m", str(tmp_path / "out"), num_steps=7, entropy_coef=0.01))

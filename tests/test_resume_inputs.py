@@ -12,7 +12,7 @@ from nanorl.llama import config_from_dict
 from nanorl.rundir import open_run_file
 from nanorl.config import config_from_args
 from nanorl.real import main as real_main
-from nanorl.real import gsm8k, problem_set, real_config, task_flag
+from nanorl.real import gsm8k_tasks, problem_set, real_config, task_flag
 from nanorl.tasks import reference_answer
 from nanorl.train import Config, main, validate
 
@@ -70,7 +70,7 @@ def test_resume_lists_a_change_of_fast_paths(real_run):
 def test_gsm8k_problems_read_the_real_rows_and_score_the_last_number():
     "--problems gsm8k: GSM8K's rows from --data-dir, asked with the instruction, scored by the reply's last number."
     cfg = real_config("m", task="gsm8k", data_dir=str(FIXTURES / "gsm8k"))
-    train, held_out = gsm8k(cfg)
+    train, held_out = gsm8k_tasks(cfg)
     conv = held_out[0]
     right = reference_answer(conv, nanochat_compat=False)            # the `#### N` of the row
     assert conv["messages"][0]["content"].endswith("Give the final answer as a number at the end.")

@@ -515,7 +515,7 @@ class DiskFiller(TaskView):
 
 
 def filling_tasks(cfg):
-    from nanorl.train import make_tasks
+    from nanorl.start import make_tasks
     train_task, held_out = make_tasks(Config(**{**vars(cfg), "task": "arithmetic"}))
     return DiskFiller(train_task), held_out
 
@@ -665,7 +665,7 @@ class BadLength(TaskView):
 
 
 def huge_tasks(cfg):
-    from nanorl.train import make_tasks
+    from nanorl.start import make_tasks
     train_task, held_out = make_tasks(Config(**{**vars(cfg), "task": "arithmetic"}))
     return BadLength(train_task), held_out
 

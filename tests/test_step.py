@@ -23,7 +23,8 @@ from nanorl.loop import rl_loop
 from nanorl.loss import NORMALIZATIONS
 from nanorl.optim import fast_matmul_dtype
 from nanorl.tasks import Arithmetic
-from nanorl.train import Trainer, build_optimizer
+from nanorl.start import build_optimizer
+from nanorl.train import Trainer
 
 PHASES = ("sample", "score", "learn", "update")
 

@@ -14,7 +14,8 @@ from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step
 from nanorl.checkpoint import load_model
 from nanorl.rundir import release_run_dir
 from nanorl.optim import fast_matmul_dtype
-from nanorl.train import Config, config_from_args, load_policy, lr_multiplier, train
+from nanorl.start import load_policy
+from nanorl.train import Config, config_from_args, lr_multiplier, train
 from rounding import assert_same_step, assert_updates_agree, nanochat_muon_names
 
 SMALL = small_run(device_type=None, eval_examples=4, matrix_lr=0.05, init_lr_frac=1.0)
