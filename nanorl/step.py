@@ -20,7 +20,7 @@ from .scale import densify_grads, full_tensor, is_sharded, reduce_max, reduce_su
 
 # %% auto #0
 __all__ = ['TRUNCATION', 'PASS_SUMS', 'LossSettings', 'Policy', 'sample', 'Scores', 'score', 'Pass', 'step_normalizer',
-           'backward_passes', 'learn', 'NonFiniteError', 'update']
+           'PassBooks', 'backward_passes', 'learn', 'NonFiniteError', 'update']
 
 # %% ../nbs/15a_step.ipynb #38d9e630
 TRUNCATION = ("keep", "mask", "zero")   # a reply cut by the limit: scored as it is, left out of the loss, or reward 0
@@ -114,40 +114,64 @@ def step_normalizer(loss_norm: str, targets_per_pass, max_new_tokens: int, devic
 
 PASS_SUMS = ("loss", "logp", "entropy", "tokens", "gap", "gap_tokens", "outside")   # each pass's sums, by name
 
-def backward_passes(policy: Policy, passes: list[Pass], advantages, sampling: Sampling, settings: LossSettings,
-                    normalizer: float) -> dict:
-    "Forward and backward every pass; the step's `PASS_SUMS` over its tokens, and the largest gap."
-    sampler = sampling.sampler if settings.logp == "sampler" else None       # the rollout's; None: the model's
-    ref_sampler = sampler and Sampler(sampler.temperature)     # the reference: every token possible (`11_loss`)
-    sums, gap_max = [], []                        # per pass: loss, logp, entropy, tokens, gap; read once at the end
-    for p in passes:
-        inputs, targets, sampler_logp = p.inputs, p.targets, p.sampler_logp
-        mask = targets != -1                                                   # (b, T)
-        with policy.autocast:
-            logp, entropy = shared_token_logp(policy.model, inputs, targets, with_entropy=True,
-                                              entropy_grad=settings.entropy_coef > 0, sampler=sampler)   # (b, T)
-        kl = None
-        if policy.reference is not None:
-            with torch.no_grad(), policy.autocast:
-                kl = (shared_token_logp(policy.reference, inputs, targets, sampler=ref_sampler), settings.kl_coef)
-        weights = None if sampler_logp is None else importance_weights(logp, sampler_logp, settings.is_correction,
-                                                                          settings.is_cap)   # (b, T)
-        loss = pg_loss(logp, advantages[p.rows], mask, settings.loss_norm, normalizer, kl=kl, weights=weights)
-        if settings.entropy_coef > 0:
-            loss = loss - settings.entropy_coef * token_sum(entropy, mask, settings.loss_norm, normalizer)
-        loss.backward()
-        measured = sampler_logp is not None
-        log_ratio = (logp.detach().float() - sampler_logp.float())[mask] if measured else logp.new_zeros(0)  # (N,)
+class PassBooks:
+    "What the loss keeps beside it: the KL and importance terms, the entropy bonus, and each pass's sums."
+    def __init__(self, policy: Policy, sampler, settings: LossSettings, normalizer: float):
+        self.policy, self.settings, self.normalizer = policy, settings, normalizer
+        self.ref_sampler = sampler and Sampler(sampler.temperature)   # the reference: every token possible (`11_loss`)
+        self.sums, self.gap_max = [], []                              # per pass, on the device; read once at the end
+
+    def kl(self, p: Pass):
+        "(the reference's log-probs of the pass's tokens, kl_coef) under --kl-coef, else None."
+        if self.policy.reference is None:
+            return None
+        with torch.no_grad(), self.policy.autocast:
+            reference = shared_token_logp(self.policy.reference, p.inputs, p.targets, sampler=self.ref_sampler)
+        return reference, self.settings.kl_coef
+
+    def weights(self, logp, p: Pass):
+        "Importance weights of the sampled tokens (`--is-correction`), (b, T); None without the engine's log-probs."
+        s = self.settings
+        return None if p.sampler_logp is None else importance_weights(logp, p.sampler_logp, s.is_correction, s.is_cap)
+
+    def entropy_bonus(self, entropy, mask):
+        "The entropy term subtracted from the loss (0 without --entropy-coef)."
+        s = self.settings
+        return s.entropy_coef * token_sum(entropy, mask, s.loss_norm, self.normalizer) if s.entropy_coef > 0 else 0.0
+
+    def add(self, p: Pass, loss, logp, entropy, mask):
+        "One pass's `PASS_SUMS` and its largest gap to the engine's log-probs, kept on the device (no sync)."
+        measured = p.sampler_logp is not None
+        log_ratio = (logp.detach().float() - p.sampler_logp.float())[mask] if measured else logp.new_zeros(0)  # (N,)
         gap, outside = log_ratio.abs(), (log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))   # (N,) each
-        gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))              # on the device, no sync
+        self.gap_max.append(gap.max() if gap.numel() else gap.new_zeros(()))
         named = dict(loss=loss.detach().float(), logp=logp.detach()[mask].float().sum(),
                      entropy=entropy.detach()[mask].float().sum(), tokens=mask.sum().float(), gap=gap.sum().float(),
                      gap_tokens=torch.tensor(float(gap.numel()), device=gap.device), outside=outside.sum().float())
-        sums.append(torch.stack([named[k] for k in PASS_SUMS]))                   # (len(PASS_SUMS),)
-    host = (torch.cat([torch.stack(sums).flatten(), torch.stack(gap_max).max().float().reshape(1)]).cpu() if sums
-            else torch.zeros(len(PASS_SUMS) + 1))     # one copy to the host: every pass's sums, the largest gap
-    totals = host[:-1].view(-1, len(PASS_SUMS)).double().sum(0).tolist()      # (passes, sums) -> (sums,)
-    return dict(zip(PASS_SUMS, totals), gap_max=host[-1].item())
+        self.sums.append(torch.stack([named[k] for k in PASS_SUMS]))            # (len(PASS_SUMS),)
+
+    def totals(self) -> dict:
+        "The step's `PASS_SUMS` over its passes, and the largest gap: one copy to the host."
+        host = (torch.cat([torch.stack(self.sums).flatten(), torch.stack(self.gap_max).max().float().reshape(1)]).cpu()
+                if self.sums else torch.zeros(len(PASS_SUMS) + 1))
+        totals = host[:-1].view(-1, len(PASS_SUMS)).double().sum(0).tolist()   # (passes, sums) -> (sums,)
+        return dict(zip(PASS_SUMS, totals), gap_max=host[-1].item())
+
+def backward_passes(policy: Policy, passes: list[Pass], advantages, sampling: Sampling, settings: LossSettings,
+                    normalizer: float) -> dict:
+    "The loss -A log p over each pass's trained tokens, normalized, and its backward; the step's sums (`PassBooks`)."
+    sampler = sampling.sampler if settings.logp == "sampler" else None       # the distribution sampled from
+    books = PassBooks(policy, sampler, settings, normalizer)
+    for p in passes:
+        mask = p.targets != -1                                                # (b, T): the trained tokens
+        with policy.autocast:
+            logp, entropy = shared_token_logp(policy.model, p.inputs, p.targets, with_entropy=True,
+                                              entropy_grad=settings.entropy_coef > 0, sampler=sampler)   # (b, T)
+        loss = pg_loss(logp, advantages[p.rows], mask, settings.loss_norm, normalizer,      # -A log p, normalized
+                       kl=books.kl(p), weights=books.weights(logp, p)) - books.entropy_bonus(entropy, mask)
+        loss.backward()
+        books.add(p, loss, logp, entropy, mask)
+    return books.totals()
 
 # %% ../nbs/15a_step.ipynb #5dfe5370
 def learn(policy: Policy, batch: Rollout, scores: Scores, sampling: Sampling, settings: LossSettings) -> dict:

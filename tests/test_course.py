@@ -194,3 +194,23 @@ def test_notebook_lines_fit():
             for kind in ("markdown", "code") for i, c in enumerate(cells(nb, kind))
             for ln in c["source"].splitlines() if len(ln) > MAX_LINE]
     assert not long, "\n".join(long)
+
+
+def test_printed_source_is_the_library_source():
+    "A cell that prints a function's source (`inspect.getsource`) shows today's code: its saved output is re-derived."
+    import inspect
+
+    import nanorl.step
+
+    stale = []
+    for nb in NUMBERED:
+        for i, c in enumerate(cells(nb, "code")):
+            names = re.findall(r"print\(inspect\.getsource\((\w+)\)\)", c["source"])
+            if not names:
+                continue
+            want = "".join(inspect.getsource(getattr(nanorl.step, n)) + "\n" for n in names)
+            saved = "".join(o.get("text", "") if isinstance(o.get("text"), str) else "".join(o.get("text", []))
+                            for o in c.get("outputs", []))
+            if saved != want:
+                stale.append(f"{nb.name} code cell {i}: re-run it")
+    assert not stale, "\n".join(stale)
