@@ -141,8 +141,8 @@ def _hub_cache_has_gsm8k() -> bool:
 def _offline_help(subset, split) -> str:
     "What to do when GSM8K cannot be loaded offline."
     return (f"GSM8K ({subset}/{split}) is not available offline: no local files were given and the Hugging Face Hub "
-            f"is switched off (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE). Point nanorl at local files with "
-            f"GSM8K(..., data_dir=DIR) or `export {GSM8K_DIR_ENV}=DIR`, where DIR holds the original "
+            f"is switched off (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE). Point nanorl at local files with --data-dir DIR "
+            f"(GSM8K(..., data_dir=DIR) in Python) or `export {GSM8K_DIR_ENV}=DIR`, where DIR holds the original "
             f"{'train.jsonl/test.jsonl' if subset == 'main' else 'train_socratic.jsonl/test_socratic.jsonl'} "
             f"(github.com/openai/grade-school-math), or parquet shards as DIR/{subset}/{split}-*.parquet "
             f"(the Hub's layout) or DIR/task_data/openai--gsm8k/{subset}/{split}/*.parquet (nanochat's cache); "

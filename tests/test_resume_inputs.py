@@ -150,3 +150,12 @@ def test_a_config_too_big_for_the_machine_is_named():
         config_from_dict({**cfg, "num_hidden_layers": 10**12})
     with pytest.raises(ValueError, match="num_hidden_layers 0: sizes must be integers >= 1"):
         config_from_dict({**cfg, "num_hidden_layers": 0})
+
+
+def test_gsm8k_offline_without_data_names_the_flag(tmp_path, monkeypatch):
+    "GSM8K, the Hub off, no --data-dir: one line naming --data-dir, not the Python API alone."
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("NANORL_GSM8K_DIR", raising=False)
+    msg = exit_message(main, ["--base-dir", str(FIXTURES / "demo_sft"), "--model-tag", "d3", "--num-steps", "1",
+                              "--output-dir", str(tmp_path)])
+    assert msg.startswith("nanorl.train: error: GSM8K") and "--data-dir DIR" in msg and "\n" not in msg, msg
