@@ -18,7 +18,8 @@ from .model import GPT, GPTConfig
 from .checkpoint import save_checkpoint
 from .engine import Engine
 from .speedups import use_fast_paths
-from .tasks import Arithmetic, TaskView
+from .rewards import TaskView
+from .tasks import Arithmetic
 from .evaluate import evaluate_pass_at_k
 from .rollout import Sampling, collate
 from .rundir import lock_run_dir, open_run_file, release_run_dir

@@ -15,7 +15,8 @@ from .checkpoint import load_model
 from .engine import Engine
 from .speedups import use_fast_paths
 from .rollout import completion_text, prompt_ids
-from .tasks import GSM8K, Arithmetic, Difficulty, TaskView, canonical_number, reference_answer
+from .rewards import TaskView, canonical_number, reference_answer
+from .tasks import GSM8K, Arithmetic, Difficulty
 from .config import Config, add_config_flag, config_help, validate
 from .start import make_tasks
 from .train import NonFiniteError, train

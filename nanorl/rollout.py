@@ -8,7 +8,6 @@ __all__ = ['problem_seed', 'sample_seeds', 'step_examples', 'Sampling', 'Rollout
            'collate', 'completion_text', 'microbatches']
 
 # %% ../nbs/10_rollout.ipynb #a5efe9b6
-import json
 from dataclasses import dataclass, field
 
 import torch

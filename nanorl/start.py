@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 from .checkpoint import CheckpointError, file_sha256, load_hf_model, load_model
 from .rundir import check_same_run, claim_run_dir, describe_changes, release_run_dir, resume_point
 from .llama import Llama
-from .tasks import GSM8K, Arithmetic, Countdown, TaskView, as_task, countdown_files, read_countdown_rows
+from .rewards import TaskView, as_task
+from .tasks import GSM8K, Arithmetic, Countdown, countdown_files, read_countdown_rows
 from .scale import gather_muon, is_sharded, sharded_optim_state
 from .config import Config
 

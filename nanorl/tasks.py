@@ -12,22 +12,14 @@ import numpy as np
 from fastcore.basics import patch
 
 from .checkpoint import get_base_dir
-from .rewards import (
-    ANSWER_MARKER_RE, COUNTDOWN_CHARS, NANOCHAT_ANSWER_RE, TASK_PROTOCOL, RewardShaping, Solved, Task, TaskView,
-    as_task, canonical_number, conversation_text, countdown_reward, extract_answer, last_tagged, reference_answer)
+from .rewards import ANSWER_MARKER_RE, Task, countdown_reward, extract_answer, last_tagged
 
-_all_ = ["ANSWER_MARKER_RE", "COUNTDOWN_CHARS", "NANOCHAT_ANSWER_RE", "TASK_PROTOCOL", "RewardShaping", "Solved",
-         "Task", "TaskView", "as_task", "canonical_number", "conversation_text", "countdown_reward", "extract_answer",
-         "last_tagged", "reference_answer"]  # 07_rewards' names, importable from nanorl.tasks as before
 
 # %% auto #0
 __all__ = ['CALC_RE', 'GSM8K_DIR_ENV', 'COUNTDOWN_SYSTEM', 'COUNTDOWN_HUB', 'answer_to_parts', 'gsm8k_conversation', 'check_row',
            'find_local_gsm8k', 'read_jsonl', 'local_gsm8k', 'load_gsm8k_rows', 'GSM8K', 'Difficulty', 'Arithmetic',
            'CountdownShaping', 'countdown_prompt', 'countdown_split', 'random_countdown', 'check_countdown_row',
-           'countdown_files', 'read_countdown_rows', 'load_countdown_hub', 'Countdown', 'ANSWER_MARKER_RE',
-           'COUNTDOWN_CHARS', 'NANOCHAT_ANSWER_RE', 'TASK_PROTOCOL', 'RewardShaping', 'Solved', 'Task', 'TaskView',
-           'as_task', 'canonical_number', 'conversation_text', 'countdown_reward', 'extract_answer', 'last_tagged',
-           'reference_answer']
+           'countdown_files', 'read_countdown_rows', 'load_countdown_hub', 'Countdown']
 
 # %% ../nbs/08_tasks.ipynb #db83bf24
 CALC_RE = re.compile(r"(<<[^>]+>>)")  # GSM8K's calculator annotation; the group keeps it in re.split's output

@@ -12,7 +12,8 @@ from nanorl.evaluate import sample_outcomes
 from nanorl.chat import template_messages
 from nanorl.rollout import Sampling, collate, completion_text, prompt_ids, rollout, sample_seeds
 from nanorl.step import score
-from nanorl.tasks import COUNTDOWN_SYSTEM, Countdown, CountdownShaping, countdown_reward
+from nanorl.rewards import countdown_reward
+from nanorl.tasks import COUNTDOWN_SYSTEM, Countdown, CountdownShaping
 from nanorl.config import Config, config_from_args, validate
 from nanorl.start import make_tasks
 

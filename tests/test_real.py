@@ -5,7 +5,7 @@ import subprocess, sys
 import pytest
 
 from nanorl.real import FinalNumber, final_number, real_config, real_tasks, smollm2_path
-from nanorl.tasks import reference_answer
+from nanorl.rewards import reference_answer
 
 
 @pytest.mark.parametrize(

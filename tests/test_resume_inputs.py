@@ -13,7 +13,7 @@ from nanorl.rundir import open_run_file
 from nanorl.config import config_from_args
 from nanorl.real import main as real_main
 from nanorl.real import gsm8k_tasks, problem_set, real_config, task_flag
-from nanorl.tasks import reference_answer
+from nanorl.rewards import reference_answer
 from nanorl.train import Config, main, validate
 
 

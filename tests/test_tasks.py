@@ -6,21 +6,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nanorl.tasks import (
-    GSM8K,
-    Arithmetic,
-    Difficulty,
-    RewardShaping,
-    Task,
-    answer_to_parts,
-    check_row,
-    conversation_text,
-    extract_answer,
-    find_local_gsm8k,
-    gsm8k_conversation,
-    load_gsm8k_rows,
-    reference_answer,
-)
+from nanorl.rewards import RewardShaping, Task, conversation_text, extract_answer, reference_answer
+from nanorl.tasks import (GSM8K, Arithmetic, Difficulty, answer_to_parts, check_row, find_local_gsm8k,
+                          gsm8k_conversation, load_gsm8k_rows)
 
 FIX = Path(__file__).parent / "fixtures"
 FULL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
