@@ -1,7 +1,8 @@
 """GSM8K test, held out: a model's pass@k with the real run's instruction and last-number rule, by nanorl's evaluator.
 
     python bench/gsm8k_eval.py [--model DIR ...] [--label NAME ...] [--examples 128] [--samples 4]
-                               [--max-new-tokens 256] [--threads 2] [--out bench/gsm8k_eval.jsonl]
+                               [--max-new-tokens 256] [--dtype float32] [--threads 2] [--out bench/gsm8k_eval.jsonl]
+    python bench/gsm8k_eval.py --compare BEFORE_LABEL AFTER_LABEL [--out bench/gsm8k_eval.jsonl]
 
 Each `--model` is a Hugging Face folder (default: SmolLM2-135M-Instruct's, see `bench/smollm2.py`) or a run directory
 that `nanorl.checkpoint.load_model` reads (its newest step). The problems are the first `--examples` of GSM8K's test
@@ -9,7 +10,10 @@ split in nanorl's shuffled order (`GSM8K(split="test")`, read from `--data-dir`,
 as `18_real` asks its word problems (`FinalNumber`: the question plus " Give the final answer as a number at the end.")
 and scored by the reply's last number against the `#### N` answer. Sampling: `--samples` per problem, temperature 0.7,
 top-k 50 (the real run's), at most `--max-new-tokens`; the seeds are the evaluator's, the same for every model. Every
-pass@k is printed with its standard error over problems; one JSON line per model goes to `--out`.
+pass@k is printed with its standard error over problems; one JSON line per model goes to `--out`, with each sample's
+outcome and whether it stopped. `--compare` reads two such records of the same problems and draws and prints the gain
+problem by problem (paired), the stop rates, the share right among replies that stopped, and how much of the gain
+more replies finishing within the limit would give alone.
 """
 
 import argparse, json, sys, time
@@ -66,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--data-dir", default=str(DATA), help=f"GSM8K's folder (default {DATA})")
     p.add_argument("--out", default=str(ROOT / "bench" / "gsm8k_eval.jsonl"), help="JSON lines, appended")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="evaluate nothing: compare two labels' records in --out, problem by problem")
     args = p.parse_args(argv)
     args.model = args.model or [str(smollm2_path())]
     args.label = args.label or args.model
@@ -74,9 +80,41 @@ def parse_args(argv=None):
     return args
 
 
+def paired(before: dict, after: dict) -> dict:
+    "Two evaluations of the same problems and draws: the gain, its standard error over problems, and its parts."
+    a, b = (torch.tensor(r["right"], dtype=torch.float64) for r in (before, after))       # (P, n) each
+    sa, sb = (torch.tensor(r["stopped"], dtype=torch.float64) for r in (before, after))   # (P, n) each
+    if a.shape != b.shape:
+        raise SystemExit(f"the records cover {tuple(a.shape)} and {tuple(b.shape)} problems x samples: not paired")
+    gain = (b - a).mean(1)                                                    # (P,) per problem
+    acc = lambda right, stop: (right * stop).sum().item() / max(stop.sum().item(), 1)   # right among stopped
+    finishing = (sb.mean() - sa.mean()).item() * acc(a, sa)          # more replies stop, right as often as before
+    return {"problems": a.shape[0], "samples": a.shape[1], "before": a.mean().item(), "after": b.mean().item(),
+            "gain": gain.mean().item(), "gain_se": (gain.std(correction=1) / gain.numel() ** 0.5).item(),
+            "stop_before": sa.mean().item(), "stop_after": sb.mean().item(), "right_if_stopped_before": acc(a, sa),
+            "right_if_stopped_after": acc(b, sb), "gain_from_finishing": finishing}
+
+
+def compare(out, labels) -> dict:
+    "Print and return `paired` for the newest records of two labels in the JSON lines file `out`."
+    records = {r["label"]: r for r in map(json.loads, Path(out).read_text().splitlines()) if "right" in r}
+    missing = [label for label in labels if label not in records]
+    if missing:
+        raise SystemExit(f"no record with per-problem outcomes for {', '.join(missing)} in {out}")
+    c = paired(records[labels[0]], records[labels[1]])
+    print(f"{labels[0]} -> {labels[1]} on {c['problems']} problems x {c['samples']}: pass@1 {c['before']:.3f} -> "
+          f"{c['after']:.3f}, gain {c['gain']:+.3f} ± {c['gain_se']:.3f} (paired, standard error over problems); "
+          f"stop rate {c['stop_before']:.2f} -> {c['stop_after']:.2f}, right among stopped "
+          f"{c['right_if_stopped_before']:.3f} -> {c['right_if_stopped_after']:.3f}; from finishing within the "
+          f"limit alone {c['gain_from_finishing']:+.3f}")
+    return c
+
+
 def main(argv=None):
-    "Evaluate each model and append its record."
+    "Evaluate each model and append its record (or, with --compare, compare two records)."
     args = parse_args(argv)
+    if args.compare:
+        return compare(args.out, args.compare)
     torch.set_num_threads(args.threads)
     task = gsm8k_test(args.data_dir)
     for folder, label in zip(args.model, args.label):
