@@ -67,7 +67,7 @@ class Scores:
     advantages: torch.Tensor    # (B,)
     zero_signal: torch.Tensor   # (G,) bool: every reward of the group is equal
     terms: dict                 # reward term -> sum over rows (only when the task's shaping is on)
-    truncated: torch.Tensor     # (B,) bool: cut by the token limit before its stop token (the engine's `cut`)
+    cut: torch.Tensor           # (B,) bool: cut by the token limit before its stop token (the engine's `cut`)
 
 def score(tokenizer, task, indices, batch: Rollout, settings: LossSettings = LossSettings()) -> Scores:
     "Judge every sample of `batch` with the task (cut rows get reward 0 if truncated='zero'); advantages per group."
@@ -176,7 +176,7 @@ def backward_passes(policy: Policy, passes: list[Pass], advantages, sampling: Sa
 # %% ../nbs/15a_step.ipynb #5dfe5370
 def learn(policy: Policy, batch: Rollout, scores: Scores, sampling: Sampling, settings: LossSettings) -> dict:
     "Forward and backward every training pass of the batch; the step's sums, by name."
-    cut = scores.truncated if settings.truncated == "mask" else None          # --truncated mask: cut rows untrained
+    cut = scores.cut if settings.truncated == "mask" else None          # --truncated mask: cut rows untrained
     passes = []
     for rows in microbatches(len(batch.prompts), batch.num_samples, settings.device_batch_size):
         seqs, masks, logps = trained_rows(batch, rows, settings.train_stop, cut)   # each row ended by its stop token

@@ -174,7 +174,7 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
     learned = {k: stats[k] for k in (*PASS_SUMS, "stop_trained", "stop_adv", "gap_measured")}   # `learn`'s sums
     sums = reduce_sums({"reward": scores.rewards.sum(), "rows": len(scores.rewards), "seq_len": sum(batch.lengths()),
                         "groups": len(batch.prompts), "zero_signal": scores.zero_signal.sum(),
-                        "tool_calls": batch.tool_calls, "truncated": scores.truncated.sum(), **learned, **terms},
+                        "tool_calls": batch.tool_calls, "cut": scores.cut.sum(), **learned, **terms},
                        self.device, self.world_size)
     rows, tokens = sums["rows"], max(sums["tokens"], 1)
     gaps = {"logp_gap_max": reduce_max(stats["gap_max"], self.device, self.world_size),      # 0 if nothing was trained
@@ -184,7 +184,7 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
             "grad_norm": grad_norm, "entropy": sums["entropy"] / tokens, "sampled_nll": -sums["logp"] / tokens,
             "zero_signal_frac": sums["zero_signal"] / sums["groups"],
             "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
-            "stop_rate": 1 - sums["truncated"] / rows, "truncated_frac": sums["truncated"] / rows,
+            "stop_rate": 1 - sums["cut"] / rows, "truncated_frac": sums["cut"] / rows,
             "stop_adv": sums["stop_adv"] / max(sums["stop_trained"], 1),
             "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}

@@ -51,7 +51,7 @@ class CharDecoder:
 def test_score_truncation_policy(policy):
     "zero: a cut reply earns 0 and the group's advantages follow; keep and mask: rewards as the task gave them."
     s = score(CharDecoder(), AllRight(), [0, 1], cut_batch(), LossSettings(truncated=policy))
-    assert s.truncated.tolist() == [True, False, False, True]
+    assert s.cut.tolist() == [True, False, False, True]
     if policy == "zero":
         assert s.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
         assert s.advantages.tolist() == [-0.5, 0.5, 0.5, -0.5]     # stopping is now what earns the reward
@@ -128,9 +128,9 @@ def test_evaluation_and_training_agree_on_stopping_and_text():
     batch = rollout(Engine(model, tok), tok, task, indices, sampling, seeds, max_rows=64)
     scores = score(tok, task, indices, batch)
     evaluated = sample_outcomes(Engine(model, tok), tok, task, indices, sampling, seed=42, prompts_per_batch=6)
-    assert 0 < scores.truncated.sum() < len(batch.sequences), "the test needs rows that stop and rows that are cut"
-    assert torch.equal(evaluated.stopped.flatten(), ~scores.truncated)
-    assert evaluated.metrics()["eval_stop_rate"] == pytest.approx(1 - scores.truncated.sum().item() / 24)  # stop_rate
+    assert 0 < scores.cut.sum() < len(batch.sequences), "the test needs rows that stop and rows that are cut"
+    assert torch.equal(evaluated.stopped.flatten(), ~scores.cut)
+    assert evaluated.metrics()["eval_stop_rate"] == pytest.approx(1 - scores.cut.sum().item() / 24)  # stop_rate
     assert torch.equal(evaluated.outcomes.flatten().float(), scores.rewards)  # the same texts, judged the same
     texts = [completion_text(tok, s, len(batch.prompts[batch.group(r)]), stopped=not c)
              for r, (s, c) in enumerate(zip(batch.sequences, batch.cut))]
