@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="evaluate nothing: compare two labels' records in --out, problem by problem")
     args = p.parse_args(argv)
+    if args.compare:
+        return args
     args.model = args.model or [str(smollm2_path())]
     args.label = args.label or args.model
     if len(args.label) != len(args.model):
@@ -84,8 +86,10 @@ def paired(before: dict, after: dict) -> dict:
     "Two evaluations of the same problems and draws: the gain, its standard error over problems, and its parts."
     a, b = (torch.tensor(r["right"], dtype=torch.float64) for r in (before, after))       # (P, n) each
     sa, sb = (torch.tensor(r["stopped"], dtype=torch.float64) for r in (before, after))   # (P, n) each
-    if a.shape != b.shape:
+    if a.shape[1] != b.shape[1]:
         raise SystemExit(f"the records cover {tuple(a.shape)} and {tuple(b.shape)} problems x samples: not paired")
+    p = min(a.shape[0], b.shape[0])                  # the first problems of both: the same problems, the same draws
+    a, b, sa, sb = a[:p], b[:p], sa[:p], sb[:p]
     gain = (b - a).mean(1)                                                    # (P,) per problem
     acc = lambda right, stop: (right * stop).sum().item() / max(stop.sum().item(), 1)   # right among stopped
     finishing = (sb.mean() - sa.mean()).item() * acc(a, sa)          # more replies stop, right as often as before

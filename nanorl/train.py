@@ -20,6 +20,7 @@ from .engine import context_limit
 from .tasks import read_jsonl
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
+from .llama import machine_memory
 from .scale import (PhasePeaks, autocast_for, check_ranks_agree, compute_dtype, full_model_state,
                           full_optim_state, is_sharded, process_group, reduce_max, reduce_sums, shard_model,
                           use_sparse_embedding_grads)
@@ -292,9 +293,10 @@ def train(cfg: Config, tasks=None) -> list[dict]:
     cfg = validate(resolve_preset(cfg), int(os.environ.get("WORLD_SIZE", 1)))
     check_writable(cfg.output_root())
     with process_group(cfg.device_type, cfg.dist_timeout_min, cfg.fsdp) as (rank, world_size, device):
-        if device.type == "cpu":
-            keep_freed_memory()                                   # big per-step buffers reuse their pages
         trainer = Trainer(cfg, rank, world_size, device, tasks)
+        state_bytes = 16 * sum(p.numel() for p in trainer.model.parameters())   # weights, gradients, AdamW's m and v
+        if device.type == "cpu" and 4 * state_bytes < machine_memory():
+            keep_freed_memory()                                   # big per-step buffers reuse their pages
         try:
             return trainer.run()
         finally:

@@ -31,8 +31,17 @@ def test_paired_gain_and_its_parts(tmp_path):
 def test_unpaired_or_missing_records_are_refused(tmp_path):
     "Records of different sizes, or a label without per-problem outcomes: one line saying which."
     out = tmp_path / "evals.jsonl"
-    out.write_text(json.dumps(record("a", [[1]], [[1]])) + "\n" + json.dumps(record("b", [[1], [0]], [[1], [1]])) + "\n")
+    out.write_text(json.dumps(record("a", [[1]], [[1]])) + "\n" + json.dumps(record("b", [[1, 0]], [[1, 1]])) + "\n")
     with pytest.raises(SystemExit, match="not paired"):
         gsm8k_eval.compare(out, ["a", "b"])
     with pytest.raises(SystemExit, match="no record .* for c"):
         gsm8k_eval.compare(out, ["a", "c"])
+
+
+def test_the_first_problems_of_a_longer_record_are_paired(tmp_path):
+    "256 problems before, 2 after: the first 2 of the longer record (the same problems, the same draws) are compared."
+    out = tmp_path / "evals.jsonl"
+    before = record("base", [[0, 0], [1, 0], [1, 1]], [[1, 1], [1, 1], [1, 1]])
+    out.write_text(json.dumps(before) + "\n" + json.dumps(record("rl", [[1, 0], [1, 0]], [[1, 1], [1, 1]])) + "\n")
+    c = gsm8k_eval.compare(out, ["base", "rl"])
+    assert c["problems"] == 2 and c["before"] == pytest.approx(0.25) and c["gain"] == pytest.approx(0.25)
