@@ -53,16 +53,17 @@ class BudgetSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"+", "*"})
     deadline, items = float("inf"), 0
 
-    def start(self):
-        "Open the budget of one rendering."
-        self.deadline, self.items = time.monotonic() + RENDER_SECONDS, 0
+    def start(self, seconds: float | None = None):
+        "Open the budget of one rendering: `seconds` (default RENDER_SECONDS)."
+        self.seconds = RENDER_SECONDS if seconds is None else seconds
+        self.deadline, self.items = time.monotonic() + self.seconds, 0
 
     def check(self, chars: int = 0):
         "Raise a BudgetError when the rendering is past its time or a text past its size."
         if chars > RENDER_CHARS:
             raise BudgetError(f"a text of more than {RENDER_CHARS:,} characters")
         if time.monotonic() > self.deadline:
-            raise BudgetError(f"more than {RENDER_SECONDS:g} s")
+            raise BudgetError(f"more than {self.seconds:g} s")
 
     def range(self, *args):
         "The sandbox's `range`, its items counted (nested loops multiply them)."
@@ -152,10 +153,10 @@ def _limit_memory(extra: int):
     except (ImportError, OSError, TypeError, ValueError):
         pass
 
-def _render_here(template, kwargs) -> str:
-    "A compiled template's text for `kwargs`, on its sandbox's budget."
+def _render_here(template, kwargs, seconds: float) -> str:
+    "A compiled template's text for `kwargs`, on its sandbox's budget of `seconds`."
     env, pieces, size = template.environment, [], 0
-    env.start()
+    env.start(seconds)
     for piece in template.generate(**kwargs, tools=None, documents=None):
         size += len(piece)
         env.check(size)
@@ -163,23 +164,23 @@ def _render_here(template, kwargs) -> str:
     return "".join(pieces)
 
 def serve_templates():
-    "The child's loop: (source, kwargs or None) in on stdin, [ok, text] or [False, [kind, ...]] out."
+    "The child's loop: (source, kwargs or None, seconds) in on stdin, [ok, text] or [False, [kind, ...]] out."
     out, sys.stdout = sys.stdout.buffer, sys.stderr            # only the answers on the pipe
     _limit_memory(TEMPLATE_MEMORY)
     templates = {}
     _send(out, [True, "ready"])
     while (request := _receive(sys.stdin.buffer)) is not None:
-        source, kwargs = request
+        source, kwargs, seconds = request
         try:
             if source not in templates:
                 templates[source] = compile_chat_template(source)
-            answer = [True, "" if kwargs is None else _render_here(templates[source], kwargs)]
+            answer = [True, "" if kwargs is None else _render_here(templates[source], kwargs, seconds)]
         except jinja2.TemplateSyntaxError as e:
             answer = [False, ["syntax", f"line {e.lineno}: {e.message}"]]
         except BudgetError as e:
             answer = [False, ["budget", str(e)]]
         except MemoryError:
-            answer = [False, ["failed", f"out of memory: over {TEMPLATE_MEMORY / 2**30:g} GiB"]]
+            answer = [False, ["failed", "out of memory"]]           # over TEMPLATE_MEMORY
         except Exception as e:                  # the sandbox's refusal, raise_exception(...)
             answer = [False, ["failed", f"{type(e).__name__}: {str(e)[:200]}"]]
         _send(out, answer)
@@ -201,7 +202,7 @@ class TemplateProcess:
         "One request answered within RENDER_SECONDS (and a grace second), else the child is killed."
         with self._lock:
             child = TemplateProcess._start()
-            _send(child.stdin, [self.source, kwargs])
+            _send(child.stdin, [self.source, kwargs, RENDER_SECONDS])          # the child's own budget ends first
             answer = TemplateProcess._wait(child, RENDER_SECONDS + 1)
         if answer is None:
             raise ValueError(f"{self.name}: {doing} the chat template went over its budget (more than "
