@@ -14,6 +14,7 @@ from doubles import NANOCHAT_HEAD as FIXTURE, base_dir, records, small_run, step
 from nanorl.checkpoint import load_model
 from nanorl.rundir import release_run_dir
 from nanorl.optim import fast_matmul_dtype
+from nanorl.config import PRESETS
 from nanorl.start import load_policy
 from nanorl.train import Config, config_from_args, lr_multiplier, train
 from rounding import assert_same_step, assert_updates_agree, nanochat_muon_names
@@ -277,6 +278,7 @@ def test_config_preset_applies_in_train(tmp_path, monkeypatch):
     class Recorder:
         engine = None  # train() closes the engine of the Trainer it ran
         out = tmp_path / "unused"  # and lets go of its run directory
+        model = torch.nn.Linear(1, 1)  # whose size decides whether glibc keeps freed pages
 
         def __init__(self, cfg, rank, world, device, tasks):
             seen.append(cfg)
@@ -287,7 +289,7 @@ def test_config_preset_applies_in_train(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "Trainer", Recorder)
     train(Config(preset="demo", base_dir=str(tmp_path), num_samples=4))
     cfg = seen[0]
-    demo = T.PRESETS["demo"]
+    demo = PRESETS["demo"]
     assert (cfg.task, cfg.device_type, cfg.top_k, cfg.examples_per_step) == tuple(
         demo[k] for k in ("task", "device_type", "top_k", "examples_per_step")
     )
