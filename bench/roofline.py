@@ -1,7 +1,8 @@
 """The floor of one GRPO step on this CPU: matmul peak and memory bandwidth measured, nanorl's step against it.
 
-    python bench/roofline.py [--threads N] [--models smollm2,d4] [--steps 3] [--json PATH] [--quick]
+    python bench/roofline.py [--threads N] [--models smollm2,d4,qwen] [--steps 3] [--json PATH] [--quick]
                              [--smollm2 DIR] [--nanochat-base DIR] [--nanochat-tag d4] [--d4-new-tokens 64]
+                             [--qwen DIR] [--qwen-new-tokens 384]
 
 1. Peak: the best of several large square products in float32, and in bf16 where the CPU multiplies it natively
    (avx512_bf16 or AMX in /proc/cpuinfo), at `--threads` (default: all cores), each through `torch.mm` (MKL on
@@ -11,8 +12,9 @@
    Both are measured before and after the nanorl runs and the better figure kept: on a shared machine a busy minute
    only lowers them, and a lowered peak would raise the floors.
 3. Floors of one step: 2 prompts x 8 samples x 128 new tokens on SmolLM2-135M-Instruct (bench/trl_grpo.py's step) and
-   2 x 8 x 64 on the nanochat-shaped d4 (bench/rl_step.py's step), from each model's shape (built on the meta device
-   from its config.json or checkpoint meta). What a floor counts (`Floor`'s fields name the parts):
+   2 x 8 x 64 on the nanochat-shaped d4 (bench/rl_step.py's step), and with `--models qwen` 4 x 8 x 384 on
+   Qwen2.5-Coder-0.5B-Instruct (the GSM8K run of `nanorl.real --problems gsm8k`, prompts as that run renders them),
+   from each model's shape (built on the meta device from its config.json or checkpoint meta). What a floor counts (`Floor`'s fields name the parts):
    - rollout: the prompt's prefill once per group (its weights read once, its FLOPs at the peak), then one decode step
      per further new token, each the max of (all matmul weights + the KV cache so far, read at the read bandwidth;
      the prompt's keys/values once per group) and (its FLOPs: 2 x matmul parameters x rows + attention, at the peak);
@@ -28,7 +30,7 @@
    value-embedding tables are lookups and count neither FLOPs nor a full read.
 4. Measured: `python -m nanorl.train` in a fresh process with the flags of bench/trl_grpo.py's nanorl side (SmolLM2)
    or bench/rl_step.py (d4, when bench/results/nanochat-base holds its checkpoint: `python bench/rl_step.py` builds
-   it), `--steps` steps, the first left out; its metrics.jsonl's t_rollout, t_reward and t_train, each against its
+   it) or the GSM8K recipe (qwen: bf16, passes of 2 replies; a step takes minutes), `--steps` steps, the first left out; its metrics.jsonl's t_rollout, t_reward and t_train, each against its
    floor at that step's prompts and mean completion length (the floor at the full new-token limit is shown too).
 
 Prints the CPU kind first, then a markdown table for bench/README.md; `--json PATH` writes every figure.
@@ -215,14 +217,14 @@ def shape_of(model: torch.nn.Module, name: str, layers: int, q_dim: int, kv_dim:
                       model.lm_head.weight.numel(), total, muon, total - sum(r * c for r, c in muon))
 
 
-def smollm2_shape(folder: Path) -> ModelShape:
-    "SmolLM2's shape from its config.json (a Llama built on the meta device)."
+def folder_shape(folder: Path, name: str = "SmolLM2-135M-Instruct") -> ModelShape:
+    "A Hugging Face model's shape from its config.json (nanorl's decoder built on the meta device)."
     from nanorl.llama import DecoderConfig, Llama
 
     cfg = DecoderConfig.from_folder(folder)
     with torch.device("meta"):
         model = Llama(cfg)
-    return shape_of(model, "SmolLM2-135M-Instruct", cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim,
+    return shape_of(model, name, cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim,
                     cfg.num_key_value_heads * cfg.head_dim, cfg.vocab_size)
 
 
@@ -366,6 +368,18 @@ def smollm2_flags(folder: Path, new_tokens: int) -> list:
             "--device-type", "cpu", "--run", "dummy"]
 
 
+def qwen_flags(folder: Path, new_tokens: int) -> list:
+    "The GSM8K run's flags (`nanorl.real --problems gsm8k`'s Config) for `python -m nanorl.train`."
+    from nanorl.real import real_config
+
+    cfg = real_config(folder, task="gsm8k", max_new_tokens=new_tokens)
+    names = ("task", "model_tag", "examples_per_step", "num_samples", "device_batch_size", "max_new_tokens",
+             "temperature", "top_k", "lr", "warmup_steps", "truncated", "dtype", "device_type")
+    flags = [f for n in names for f in (f"--{n.replace('_', '-')}", str(getattr(cfg, n)))]
+    return ["--model-path", str(folder), *flags, "--eval-every", "1000", "--eval-examples", "1", "--save-every", "1000",
+            "--run", "dummy"]
+
+
 def d4_flags(base: Path, tag: str, new_tokens: int) -> list:
     "bench/rl_step.py's nanorl flags for the d4 (chat_rl's, shrunk) with this base dir, tag and token limit."
     flags = list(D4_FLAGS)
@@ -388,15 +402,15 @@ def run_train(flags: list, steps: int, threads: int) -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def step_prompt_tokens(tokenizer, steps: int) -> list[float]:
-    "Mean prompt length of each step's problems (GSM8K train, nanorl's order), rendered as the trainer renders them."
+def step_prompt_tokens(tokenizer, steps: int, examples: int = EXAMPLES, task=None) -> list[float]:
+    "Mean prompt length of each step's problems (default GSM8K train, nanorl's order), rendered as the trainer does."
     from nanorl.rollout import prompt_ids, step_examples
     from nanorl.tasks import GSM8K
 
-    task = GSM8K("main", "train", data_dir=GSM8K_DIR)
+    task = task if task is not None else GSM8K("main", "train", data_dir=GSM8K_DIR)
     lengths = []
     for s in range(steps):
-        ids = [prompt_ids(tokenizer, task[i]) for i in step_examples(s, EXAMPLES, len(task))]
+        ids = [prompt_ids(tokenizer, task[i]) for i in step_examples(s, examples, len(task))]
         lengths.append(statistics.mean(len(x) for x in ids))
     return lengths
 
@@ -463,12 +477,31 @@ def smollm2_run(args) -> ModelRun | str:
         return f"SmolLM2-135M-Instruct skipped: no folder at {folder}; build it with `python bench/smollm2.py`"
     from nanorl.chat import ChatTokenizer
 
-    shape, new = smollm2_shape(folder), args.new_tokens
+    shape, new = folder_shape(folder), args.new_tokens
     prompts = step_prompt_tokens(ChatTokenizer.from_directory(folder), args.steps)
     measured = [] if args.no_measure else step_times(run_train(smollm2_flags(folder, new), args.steps, args.threads),
                                                      prompts)
     w = Workload(EXAMPLES, SAMPLES, new, statistics.mean(prompts))
     return ModelRun(shape, str(folder / "config.json"), w, measured)
+
+
+def qwen_run(args) -> ModelRun | str:
+    "The 0.5B GSM8K step's floors (and measured steps unless --no-measure); a message when its folder is missing."
+    folder = args.qwen
+    if not (folder / "config.json").exists():
+        return f"Qwen2.5-Coder-0.5B-Instruct skipped: no folder at {folder}; build it with `python bench/qwen_coder.py`"
+    from nanorl.chat import ChatTokenizer
+    from nanorl.real import real_config, real_tasks
+
+    cfg = real_config(folder, task="gsm8k", max_new_tokens=args.qwen_new_tokens)
+    train_task, _ = real_tasks(0, "gsm8k", GSM8K_DIR)
+    prompts = step_prompt_tokens(ChatTokenizer.from_directory(folder), args.steps, cfg.examples_per_step, train_task)
+    measured = [] if args.no_measure else step_times(run_train(qwen_flags(folder, cfg.max_new_tokens), args.steps,
+                                                               args.threads), prompts)
+    note = f"the GSM8K recipe: {cfg.dtype} autocast, passes of {cfg.device_batch_size} replies"
+    return ModelRun(folder_shape(folder, "Qwen2.5-Coder-0.5B-Instruct"), str(folder / "config.json"),
+                    Workload(cfg.examples_per_step, cfg.num_samples, cfg.max_new_tokens, statistics.mean(prompts)),
+                    measured, note)
 
 
 def d4_run(args) -> ModelRun:
@@ -491,6 +524,9 @@ def d4_run(args) -> ModelRun:
         note += f"not measured: no checkpoint in {args.nanochat_base} (`python bench/rl_step.py` builds it)"
     w = Workload(EXAMPLES, SAMPLES, args.d4_new_tokens, statistics.mean(prompts))
     return ModelRun(shape, source, w, measured, note.strip("; "))
+
+
+MODEL_RUNS = {"smollm2": smollm2_run, "d4": d4_run, "qwen": qwen_run}
 
 
 # ---------------------------------------------------------------- output
@@ -586,11 +622,11 @@ def cache_note(m: Machine, reports: list) -> list[str]:
 
 def parse_args(argv=None):
     "The command line."
-    from nanorl.real import smollm2_default
+    from nanorl.real import qwen_default, smollm2_default
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
-    ap.add_argument("--models", default="smollm2,d4", help="comma-separated: smollm2, d4")
+    ap.add_argument("--models", default="smollm2,d4", help="comma-separated: smollm2, d4, qwen (the GSM8K step)")
     ap.add_argument("--steps", type=int, default=3, help="nanorl steps per model (the first is not counted)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: 256 matmuls, 64 MiB, 8 new tokens, 2 steps")
@@ -600,12 +636,14 @@ def parse_args(argv=None):
     ap.add_argument("--nanochat-tag", default="d4", help="its checkpoint tag")
     ap.add_argument("--new-tokens", type=int, default=128, help="SmolLM2's new-token limit")
     ap.add_argument("--d4-new-tokens", type=int, default=64, help="the d4's new-token limit (bench/rl_step.py's)")
+    ap.add_argument("--qwen", type=Path, default=qwen_default(), help="Qwen2.5-Coder-0.5B folder (default %(default)s)")
+    ap.add_argument("--qwen-new-tokens", type=int, default=384, help="the GSM8K run's new-token limit")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.new_tokens, args.d4_new_tokens = 2, 8, 8
-    unknown = set(args.models.split(",")) - {"smollm2", "d4"}
+        args.steps, args.new_tokens, args.d4_new_tokens, args.qwen_new_tokens = 2, 8, 8, 8
+    unknown = set(args.models.split(",")) - set(MODEL_RUNS)
     if unknown:
-        ap.error(f"unknown --models {sorted(unknown)}: expected smollm2, d4")
+        ap.error(f"unknown --models {sorted(unknown)}: expected {', '.join(MODEL_RUNS)}")
     return args
 
 
@@ -617,7 +655,7 @@ def main(argv=None):
     before = measure_machine(args.threads, args.quick)
     runs, skipped = [], []
     for name in args.models.split(","):
-        run = smollm2_run(args) if name == "smollm2" else d4_run(args)
+        run = MODEL_RUNS[name](args)
         (skipped if isinstance(run, str) else runs).append(run)
     mach = before.best_with(measure_machine(args.threads, args.quick)) if runs else before
     reports = [report_model(r, mach) for r in runs]

@@ -58,3 +58,17 @@ def test_quick_run_on_the_fixture(tmp_path):
     assert model["shape"]["name"] == "nanochat d3" and len(model["measured"]) == 1
     assert model["measured_step_s"] > 0 and all(f > 0 for f in model["step_floors_at_measured_s"])
     assert "python bench/smollm2.py" in report["skipped"][0]
+
+
+def test_the_gsm8k_steps_flags_are_its_recipe(tmp_path):
+    "`--models qwen` trains with nanorl.real's GSM8K Config: the flags parse back to the same settings."
+    from nanorl.config import config_from_args
+    from nanorl.real import real_config
+
+    flags = roofline.qwen_flags(tmp_path, 384)
+    cfg, recipe = config_from_args(flags), real_config(tmp_path, task="gsm8k")
+    for name in ("task", "examples_per_step", "num_samples", "device_batch_size", "max_new_tokens", "lr", "truncated",
+                 "dtype", "temperature", "top_k"):
+        assert getattr(cfg, name) == getattr(recipe, name), name
+    message = roofline.qwen_run(roofline.parse_args(["--qwen", str(tmp_path / "none"), "--models", "qwen"]))
+    assert "python bench/qwen_coder.py" in message and "none" in message

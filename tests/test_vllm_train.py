@@ -111,15 +111,18 @@ def demo_config(tmp_path, name, **changes):
 
 
 def test_is_correction_flags_on_a_run(tmp_path):
-    "With nanorl's engine the ratio is 1 within 1e-4: --is-cap 0.5 halves the loss (tis) or drops every token (mask)."
-    none, tis, mask = (train(demo_config(tmp_path, m, **{"--is-correction": m, "--is-cap": "0.5"}))[0]
+    "With nanorl's engine the ratio is 1 within 1e-4: a cap of 2 changes nothing; a cap below 1 is refused."
+    none, tis, mask = (train(demo_config(tmp_path, m, **{"--is-correction": m, "--is-cap": "2"}))[0]
                        for m in ("none", "tis", "mask"))
     assert none["reward"] == tis["reward"] == mask["reward"], "the same samples: the flag acts in the loss only"
     assert none["loss"] != 0 and none["is_ratio_outside"] == 0 and none["logp_gap_max"] <= GAP
-    assert math.isclose(tis["loss"], 0.5 * none["loss"], rel_tol=1e-6)
-    assert math.isclose(tis["grad_norm"], 0.5 * none["grad_norm"], rel_tol=1e-4)
-    assert mask["loss"] == 0 and mask["grad_norm"] == 0
+    for corrected in (tis, mask):                          # every ratio is inside [1/2, 2]: weight 1, no token masked
+        assert math.isclose(corrected["loss"], none["loss"], rel_tol=1e-6)
+        assert math.isclose(corrected["grad_norm"], none["grad_norm"], rel_tol=1e-4)
     assert "t_sync" not in none  # nanorl's engine samples from the policy itself: nothing to sync
+    for m in ("tis", "mask"):                              # below 1 the on-policy tokens themselves would be cut
+        with pytest.raises(ValueError, match=f"--is-cap 0.5 is below 1.*--is-correction {m}"):
+            train(demo_config(tmp_path, f"{m}-low", **{"--is-correction": m, "--is-cap": "0.5"}))
 
 
 # ---------------------------------------------------------------- through vLLM
