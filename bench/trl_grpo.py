@@ -1,6 +1,7 @@
 """Seconds per GRPO step: TRL's GRPOTrainer against `python -m nanorl.train`, same model, data and settings (by hand).
 
     python bench/trl_grpo.py [--steps 4] [--folder DIR] [--only nanorl trl ...] [--lr 1e-6] [--threads 2] [--setup]
+                             [--nanorl-dtype auto]
 
 Both sides train SmolLM2-135M-Instruct (the folder `bench/smollm2.py` builds; `--folder`, else $NANORL_SMOLLM2, else
 its default place) on GSM8K's training questions in nanorl's order (through the model's chat template; the prompt
@@ -9,7 +10,8 @@ is 2 prompts x 8 samples of at most 128 new tokens, temperature 1, top-k 50, top
 decaying linearly to 0 over the run, betas (0.9, 0.95), eps 1e-8, no weight decay, no gradient clipping) on the 16
 completions in two passes of 8 rows, token-level loss normalization over the step (nanorl `--loss-norm token`, TRL
 `loss_type="dapo"`, see tests/test_trl_loss.py), mean-only group baseline (nanorl `--advantage mean`, TRL
-`scale_rewards="none"`), no KL, float32, CPU, 2 threads, no vLLM.
+`scale_rewards="none"`), no KL, CPU, 2 threads, no vLLM. Each side in its default dtype: nanorl `--dtype auto`
+(bf16 on a CPU where it pays, `bf16_pays`; `--nanorl-dtype float32` for the float32 figure), TRL float32.
 
 - nanorl: the real command line, `python -m nanorl.train --model-path DIR ...`, in its own process; the seconds of
   each step are read from its metrics.jsonl (`t_rollout`: sampling, `t_reward`, `t_train`: both passes and the update).
@@ -79,7 +81,7 @@ def nanorl_run(args, out: Path) -> dict:
     cmd += ["--num-steps", str(args.steps), "--examples-per-step", str(EXAMPLES), "--num-samples", str(SAMPLES)]
     cmd += ["--device-batch-size", str(ROWS_PER_PASS), "--max-new-tokens", str(MAX_NEW), "--temperature", "1.0"]
     cmd += ["--top-k", str(TOP_K), "--lr", str(args.lr), "--loss-norm", "token", "--advantage", "mean"]
-    cmd += ["--kl-coef", "0", "--dtype", "float32", "--eval-every", "1000", "--eval-examples", "2"]
+    cmd += ["--kl-coef", "0", "--dtype", args.nanorl_dtype, "--eval-every", "1000", "--eval-examples", "2"]
     cmd += ["--save-every", "1000", "--output-dir", str(out), "--device-type", "cpu", "--run", "dummy"]
     print("nanorl:", " ".join(cmd[1:]), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -255,6 +257,7 @@ def main():
     ap.add_argument("--data-dir", type=Path, default=GSM8K_DIR, help="GSM8K's train.jsonl/test.jsonl")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--nanorl-dtype", default="auto", help="nanorl's --dtype (default: its own default, auto)")
     ap.add_argument(
         "--only",
         nargs="+",

@@ -84,7 +84,8 @@ class Config:
     rollout_rows: int = _flag(256, "most rows generated in one engine call (a memory bound)")
     max_bad_steps: int = _flag(3, "stop after this many non-finite steps in a row")
     wandb_project: str = _flag("nanorl", "wandb project")
-    dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16")
+    dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on CUDA, and on native-bf16 CPUs for models with large "
+                               "weights; else float32), float32, bfloat16")
     fsdp: bool = _flag(False, "shard weights, gradients and optimizer state over the ranks with FSDP2 (default: DDP)")
     engine: str = _flag("nanorl", "rollout engine: nanorl's own, or vllm (a --model-path folder, `15_vllm_engine`)")
     is_correction: str = _flag("none", "importance weights of the sampler's tokens: none, tis (ratio capped) or mask")

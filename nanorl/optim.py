@@ -6,6 +6,7 @@
 from __future__ import annotations
 import functools
 import math
+import os
 import torch
 
 # %% auto #0
@@ -29,9 +30,14 @@ def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
     return X.T if tall else X
 
 # %% ../nbs/01b_optim.ipynb #c66d8a47
+# instruction-set caps below AVX512-BF16: torch's kernels then run bf16 the slow way, whatever the CPU has
+_CAPS = {"ATEN_CPU_CAPABILITY": ("default", "avx2"),
+         "ONEDNN_MAX_CPU_ISA": ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")}
+
 def native_cpu_bf16() -> bool:
-    "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's own CPU feature check reports it."
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()     # torch >= 2.9 has both
+    "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, torch's own check) and no env var caps it below."
+    capped = any(os.environ.get(var, "").lower() in below for var, below in _CAPS.items())
+    return not capped and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())  # torch >= 2.9
 
 @functools.cache
 def fast_matmul_dtype(device_type: str) -> torch.dtype:

@@ -71,15 +71,15 @@ def process_group(device_type: str = "", timeout_min: float = 60.0, fsdp: bool =
             dist.destroy_process_group()
 
 # %% ../nbs/14_scale.ipynb #efbcdb41
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    "The dtype `--dtype name` computes in; auto: bfloat16 on CUDA GPUs that support it (as nanochat), else float32."
+def compute_dtype(name: str, device: torch.device, cpu_bf16: bool = False) -> torch.dtype:
+    "The dtype `--dtype name` computes in; auto: bfloat16 on CUDA GPUs that support it, or on a CPU if `cpu_bf16`."
     if name != "auto":
         dtype = getattr(torch, name)
         if device.type == "cpu" and dtype == torch.bfloat16 and fast_matmul_dtype("cpu") != dtype:
             warnings.warn("--dtype bfloat16: this CPU has no native bf16 arithmetic, so every bf16 matmul is emulated "
                           "(tens of times slower than float32); --dtype auto uses float32 here")
         return dtype
-    ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    ok = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_bf16
     return torch.bfloat16 if ok else torch.float32
 
 def autocast_for(device: torch.device, dtype: torch.dtype):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from .optim import fast_matmul_dtype
 from .model import GPT, Linear, check_loss_request
 from .llama import Llama
 
@@ -21,7 +22,7 @@ from .llama import Llama
 __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS',
            'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'OneDNNLinear',
            'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
-           'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths',
+           'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths', 'bf16_pays',
            'keep_freed_memory']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
@@ -407,6 +408,12 @@ def use_fast_paths(model, on: bool = True):
         if hasattr(type(m), "sdpa"):                                            # the attention of both families
             m.sdpa = cpu_sdpa if on else None
     return model
+
+# %% ../nbs/13_speedups.ipynb #7167f050
+def bf16_pays(model) -> bool:
+    "Whether bf16 autocast speeds `model` up here: native bf16 and a weight the fast paths pack (PACK_MIN_WEIGHTS)."
+    big = any(onednn_pays(*m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return big and fast_matmul_dtype("cpu") == BF16
 
 # %% ../nbs/13_speedups.ipynb #f75fa2b3
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters (malloc.h)

@@ -19,7 +19,7 @@ from .rundir import check_writable, elastic_restarts, open_run_file, release_run
 from .engine import context_limit
 from .tasks import read_jsonl
 from .evaluate import evaluate_pass_at_k
-from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
+from .speedups import bf16_pays, fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
 from .llama import machine_memory
 from .scale import (PhasePeaks, autocast_for, check_ranks_agree, compute_dtype, full_model_state,
                           full_optim_state, is_sharded, process_group, reduce_max, reduce_sums, shard_model,
@@ -92,7 +92,6 @@ class Trainer:
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, device=torch.device("cpu"), tasks=None):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.master = rank == 0
-        self.autocast = autocast_for(device, compute_dtype(cfg.dtype, device))
         self.train_task, self.val_task = make_tasks(cfg) if tasks is None else check_tasks(tasks, cfg)
         self.num_steps = cfg.num_steps or (len(self.train_task) // cfg.examples_per_step) * cfg.num_epochs
         if self.num_steps < 1:
@@ -113,20 +112,23 @@ class Trainer:
         "The policy's model (sharded, sped up), its optimizer and engine; prompt room checked against the tasks."
         cfg, device = self.cfg, self.device
         self.model, self.tokenizer, self.out = policy.model, policy.tokenizer, policy.out
+        fast = cfg.cpu_fast_paths and fast_paths_for(device)            # packed weights, the fused loss (`13_speedups`)
+        self.dtype = compute_dtype(cfg.dtype, device, cpu_bf16=fast and bf16_pays(self.model))
+        self.autocast = autocast_for(device, self.dtype)
         if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices
             for m in filter(None, (self.model, policy.reference)):
-                shard_model(m, device, compute_dtype(cfg.dtype, device))
+                shard_model(m, device, self.dtype)
         self.optimizer = build_optimizer(self.model, cfg, policy.optim_state)
         if not cfg.fsdp:                            # FSDP2 reduce-scatters dense gradients only
             use_sparse_embedding_grads(self.model)
-        if cfg.cpu_fast_paths and fast_paths_for(device):   # switched on: packed weights, the fused loss
+        if fast:
             for m in filter(None, (self.model, policy.reference)):
                 use_fast_paths(m)
         evaluation = cfg.sampling(evaluation=True)
         vllm_folder = cfg.model_path if cfg.engine == "vllm" else None
         longest = max(cfg.max_new_tokens, evaluation.max_new_tokens)           # vLLM sizes its KV cache for it
         self.engine = rollout_engine(self.model, self.tokenizer, device, vllm_folder, cfg.rollout_rows, longest,
-                                     compute_dtype(cfg.dtype, device), cfg.seed)       # `15_vllm_engine`
+                                     self.dtype, cfg.seed)                             # `15_vllm_engine`
         limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
         for task, flag, tokens in ((self.train_task, "--max-new-tokens", cfg.max_new_tokens),
                                    (self.val_task, "--eval-max-new-tokens", evaluation.max_new_tokens)):
@@ -249,7 +251,7 @@ def run(self: Trainer) -> list[dict]:
     log = RunLog(self.out / "metrics.jsonl", cfg, start_step=start, enabled=self.master)
     if self.master:
         resumed = f"; resuming at step {start} (elastic restart {elastic_restarts()})" if start else ""
-        ranks = f"{self.world_size} rank(s) on {self.device}"
+        ranks = f"{self.world_size} rank(s) on {self.device} in {str(self.dtype).removeprefix('torch.')}"
         tqdm.write(f"nanorl: {num_steps} steps, {ranks}; writing {self.out}{resumed}")
     bar = tqdm(range(start, num_steps), initial=start, total=num_steps, disable=not self.master, desc="rl")
     last = False
