@@ -26,8 +26,8 @@ def rl_loop(model, tokenizer, task, steps: int = 40, problems: int = 16, samplin
         indices = step_examples(step, problems, len(task))                       # this step's problems
         seeds = sample_seeds(0, step, indices)                                   # one per problem
         batch = sample(engine, policy, tokenizer, task, indices, sampling, seeds, max_rows=256)
-        scores = score(tokenizer, task, indices, batch, settings)                # r, A = r - mean(r)
-        learn(policy, batch, scores, sampling, settings)                        # -A log p, backward
+        scores = score(task, batch, settings)                                    # r, A = r - mean(r)
+        learn(policy, batch, scores, settings)                                   # -A log p, backward
         update(policy, optimizer)                                                 # one optimizer step
         mean_rewards.append(scores.rewards.mean().item())
     return mean_rewards

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['problem_seed', 'sample_seeds', 'step_examples', 'Sampling', 'Rollout', 'assistant_prefix', 'prompt_ids',
-           'problem_source', 'check_prompt_room', 'rollout', 'halve_after_oom', 'trained_rows', 'collate_logprobs',
-           'collate', 'completion_text', 'microbatches']
+           'completion_text', 'problem_source', 'check_prompt_room', 'rollout', 'halve_after_oom', 'trained_rows',
+           'collate_logprobs', 'collate', 'microbatches']
 
 # %% ../nbs/10_rollout.ipynb #a5efe9b6
 from dataclasses import dataclass, field
@@ -67,6 +67,9 @@ class Rollout:
     tool_calls: int       # calculator calls over all samples
     rows_per_call: int    # rows per engine call at the end (smaller after an out-of-memory retry)
     logprobs: list | None = None   # like sequences: the sampler's log-prob of each sampled token, 0 elsewhere
+    conversations: list = field(default_factory=list)   # one per problem: what its group answers
+    texts: list = field(default_factory=list)           # per row: the reply as the task judges it (`completion_text`)
+    sampling: Sampling | None = None                    # how the groups were drawn: the loss trains its sampler
 
     @property
     def num_samples(self) -> int:
@@ -95,6 +98,12 @@ def prompt_ids(tokenizer, conversation) -> list[int]:
     prefix = assistant_prefix(conversation)
     return ids + tokenizer.encode(prefix) if prefix else ids
 
+# %% ../nbs/10_rollout.ipynb #2e2c32de
+def completion_text(tokenizer, seq, prompt_len: int, conversation=None, stopped: bool = False) -> str:
+    "A sampled row's text: the assistant prefix, then the tokens after the prompt, the stop of a `stopped` row not."
+    tail = seq[prompt_len:len(seq) - stopped]
+    return assistant_prefix(conversation) + tokenizer.decode(tail.tolist() if hasattr(tail, "tolist") else list(tail))
+
 # %% ../nbs/10_rollout.ipynb #66b4673b
 def problem_source(task, i: int) -> str:
     "' (file, line N)' where the task (or a task it wraps) can say where problem `i` comes from, else ''."
@@ -121,8 +130,9 @@ def check_prompt_room(tokenizer, task, max_new_tokens: int, limit: int, flag: st
                          f"most {limit - longest}")
 
 def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_rows: int) -> Rollout:
-    "A group of samples for each problem of `indices`, in engine calls of at most `max_rows` rows."
-    prompts = [prompt_ids(tokenizer, task[i]) for i in indices]
+    "A group of samples for each problem of `indices`, in engine calls of at most `max_rows` rows, and their texts."
+    conversations = [task[i] for i in indices]
+    prompts = [prompt_ids(tokenizer, c) for c in conversations]
     n = sampling.num_samples
     per_call = max(1, max_rows // n)
     sequences, masks, logprobs, cut, tool_calls, j = [], [], [], [], 0, 0
@@ -140,7 +150,9 @@ def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_row
         j += per_call
         tool_calls += gen.stats.get("tool_calls", 0)
     logprobs = logprobs if None not in logprobs else None
-    return Rollout(prompts, sequences, masks, cut, tool_calls, per_call * n, logprobs)
+    texts = [completion_text(tokenizer, s, len(prompts[r // n]), conversations[r // n], stopped=not cut[r])
+             for r, s in enumerate(sequences)]
+    return Rollout(prompts, sequences, masks, cut, tool_calls, per_call * n, logprobs, conversations, texts, sampling)
 
 def halve_after_oom(per_call: int, num_samples: int, error, what: str = "a rollout",
                     flags: str = "--num-samples or --max-new-tokens") -> int:
@@ -185,12 +197,6 @@ def collate(sequences, masks, pad_id: int, device="cpu"):
     inputs, targets = ids[:, :-1], ids[:, 1:].clone()  # (B, T-1)
     targets[mask[:, 1:] == 0] = -1
     return inputs.to(device), targets.to(device)
-
-# %% ../nbs/10_rollout.ipynb #2e2c32de
-def completion_text(tokenizer, seq, prompt_len: int, conversation=None, stopped: bool = False) -> str:
-    "A sampled row's text: the assistant prefix, then the tokens after the prompt, the stop of a `stopped` row not."
-    tail = seq[prompt_len:len(seq) - stopped]
-    return assistant_prefix(conversation) + tokenizer.decode(tail.tolist() if hasattr(tail, "tolist") else list(tail))
 
 # %% ../nbs/10_rollout.ipynb #659cd3d2
 def microbatches(num_groups: int, group_size: int, device_batch_size: int) -> list[list[int]]:

@@ -13,8 +13,7 @@ import torch
 from .model import Sampler
 from .rewards import checked_reward
 from .advantages import compute_advantages, zero_signal_groups
-from .rollout import (Rollout, Sampling, collate, collate_logprobs, completion_text, microbatches, rollout,
-                            trained_rows)
+from .rollout import Rollout, Sampling, collate, collate_logprobs, microbatches, rollout, trained_rows
 from .loss import count_trained, importance_weights, loss_normalizer, pg_loss, shared_token_logp, token_sum
 from .scale import densify_grads, full_tensor, is_sharded, reduce_max, reduce_sums, sync_gradients
 
@@ -69,18 +68,18 @@ class Scores:
     terms: dict                 # reward term -> sum over rows (only when the task's shaping is on)
     cut: torch.Tensor           # (B,) bool: cut by the token limit before its stop token (the engine's `cut`)
 
-def score(tokenizer, task, indices, batch: Rollout, settings: LossSettings = LossSettings()) -> Scores:
-    "Judge every sample of `batch` with the task (cut rows get reward 0 if truncated='zero'); advantages per group."
-    conversations = [task[i] for i in indices]
+def score(task, batch: Rollout, settings: LossSettings = LossSettings()) -> Scores:
+    "Judge every reply of `batch` with the task (cut rows get reward 0 if truncated='zero'); advantages per group."
+    if len(batch.texts) != len(batch.sequences) or len(batch.conversations) != len(batch.prompts):
+        raise ValueError("score needs the Rollout's conversations and texts, as `rollout` fills them")
     shaping = getattr(task, "shaping_on", False)
     rewards, terms = [], {}
-    for row, seq in enumerate(batch.sequences):
-        g = batch.group(row)
-        text = completion_text(tokenizer, seq, len(batch.prompts[g]), conversations[g], stopped=not batch.cut[row])
+    for row, text in enumerate(batch.texts):
+        conversation = batch.conversations[batch.group(row)]
         if not shaping:
-            rewards.append(checked_reward(task.reward(conversations[g], text), task))
+            rewards.append(checked_reward(task.reward(conversation, text), task))
             continue
-        parts = task.reward_terms(conversations[g], text)
+        parts = task.reward_terms(conversation, text)
         for k, v in parts.items():
             terms[k] = terms.get(k, 0.0) + v
         rewards.append(float(sum(parts.values())))
@@ -174,8 +173,10 @@ def backward_passes(policy: Policy, passes: list[Pass], advantages, sampling: Sa
     return books.totals()
 
 # %% ../nbs/15a_step.ipynb #5dfe5370
-def learn(policy: Policy, batch: Rollout, scores: Scores, sampling: Sampling, settings: LossSettings) -> dict:
+def learn(policy: Policy, batch: Rollout, scores: Scores, settings: LossSettings) -> dict:
     "Forward and backward every training pass of the batch; the step's sums, by name."
+    if batch.sampling is None:
+        raise ValueError("learn needs the Rollout's sampling (its sampler and token limit), as `rollout` fills it")
     cut = scores.cut if settings.truncated == "mask" else None          # --truncated mask: cut rows untrained
     passes = []
     for rows in microbatches(len(batch.prompts), batch.num_samples, settings.device_batch_size):
@@ -183,13 +184,13 @@ def learn(policy: Policy, batch: Rollout, scores: Scores, sampling: Sampling, se
         inputs, targets = collate(seqs, masks, policy.pad_id, policy.device)      # (b, T) each
         sampler_logp = None if None in logps else collate_logprobs(logps, policy.device)   # (b, T): the engine's
         passes.append(Pass(inputs, targets, torch.tensor(rows), batch.group(rows[0]), sampler_logp))
-    normalizer = step_normalizer(settings.loss_norm, [p.targets for p in passes], sampling.max_new_tokens,
+    normalizer = step_normalizer(settings.loss_norm, [p.targets for p in passes], batch.sampling.max_new_tokens,
                                  policy.device, policy.world_size)                # skipped passes count too
     if settings.skip_zero_signal:
         passes = [p for p in passes if not scores.zero_signal[p.group]]
     trained = [r for p in passes for r in p.rows.tolist()] if settings.train_stop else []
     stopped = [r for r in trained if not batch.cut[r]]                           # rows whose stop token is trained
-    sums = backward_passes(policy, passes, scores.advantages.to(policy.device), sampling, settings, normalizer)
+    sums = backward_passes(policy, passes, scores.advantages.to(policy.device), batch.sampling, settings, normalizer)
     return sums | {"stop_trained": len(stopped), "stop_adv": scores.advantages[stopped].sum().item(),
                    "gap_measured": batch.logprobs is not None}
 

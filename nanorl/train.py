@@ -152,9 +152,9 @@ class Trainer:
             self.fit_rollout_rows(batch)
             t1 = time.perf_counter()
             peaks.mark("mem_rollout_gib")
-            scores = score(self.tokenizer, self.train_task, indices, batch, self.settings)
+            scores = score(self.train_task, batch, self.settings)
             t2 = time.perf_counter()
-            stats = learn(self.policy, batch, scores, sampling, self.settings)
+            stats = learn(self.policy, batch, scores, self.settings)
         grad_norm = update(self.policy, self.optimizer, lrm)
         peaks.mark("mem_train_gib")
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}

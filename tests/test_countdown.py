@@ -195,7 +195,7 @@ def test_assistant_prefix_is_prompt_not_trained_and_rewarded(tok, tmp_path):
         assert (targets[0, : len(prompt) - 1] == -1).all(), name  # no prefix token is ever a target
         # a reply that only closes the think block the prefix opened: right and formatted, as the reward sees it
         scripted = rollout(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2), [0], max_rows=8)
-        scores = score(tk, task, [0], scripted)
+        scores = score(task, scripted)
         assert scores.rewards.tolist() == [1.5, 1.5], name
         assert task.reward(task[0], reply) == 1.0  # the same text without the prefix: no format term
         outcomes = sample_outcomes(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2)).outcomes

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanorl.rollout import problem_seed
-from nanorl.rollout import Rollout, collate, halve_after_oom, microbatches, sample_seeds
+from nanorl.rollout import Rollout, collate, completion_text, halve_after_oom, microbatches, sample_seeds
 from nanorl.step import score
 
 
@@ -50,8 +50,11 @@ def test_score_with_shaping_judges_each_completion_once():
     rows = [prompts[0] + [ord(c) for c in s] for s in ("ok", "KO")] + [
         prompts[1] + [ord(c) for c in s] for s in ("ok", "ok")
     ]
-    batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], cut=[True] * 4, tool_calls=0, rows_per_call=4)
-    s = score(tok, task, [0, 1], batch)
+    texts = [completion_text(tok, r, len(prompts[k // 2])) for k, r in enumerate(rows)]    # cut rows: every token
+    batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], cut=[True] * 4, tool_calls=0, rows_per_call=4,
+                    conversations=[task[0], task[1]], texts=texts)
+    assert texts == ["ok", "KO", "ok", "ok"]
+    s = score(task, batch)
     assert task.judged == 4
     assert s.rewards.tolist() == [1.5, 0.0, 1.5, 1.5]
     assert s.terms == {"correct": 3.0, "format": 1.5}
@@ -77,3 +80,16 @@ def test_halve_after_oom_names_the_flags():
     assert halve_after_oom(8, 4, err) == 4
     with pytest.raises(torch.OutOfMemoryError, match="in an evaluation; lower --eval-samples"):
         halve_after_oom(1, 4, err, "an evaluation", "--eval-samples or --eval-max-new-tokens")
+
+
+def test_score_and_learn_refuse_a_rollout_without_its_records():
+    "A Rollout built by hand without its texts, conversations or sampling: one line naming what is missing."
+    from nanorl.step import LossSettings, Policy, Scores, learn
+
+    batch = Rollout([[0]], [[0, 1], [0, 2]], [[0, 1], [0, 1]], cut=[True, True], tool_calls=0, rows_per_call=2)
+    with pytest.raises(ValueError, match="conversations and texts"):
+        score(ShapedTask(), batch)
+    none = torch.zeros(2)
+    scores = Scores(none, none, torch.zeros(1, dtype=torch.bool), {}, torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sampling"):
+        learn(Policy(torch.nn.Linear(1, 1)), batch, scores, LossSettings())

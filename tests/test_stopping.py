@@ -24,7 +24,9 @@ def cut_batch():
     prompts = [[1, 2], [1, 2, 3]]
     sequences = [[1, 2, 5, 6, 7], [1, 2, 5, 9], [1, 2, 3, 5, 6, 9], [1, 2, 3, 5, 6, 7]]   # 9: the stop token
     masks = [[0] * len(p) + [1] * (len(s) - len(p)) for s, p in zip(sequences, [prompts[0]] * 2 + [prompts[1]] * 2)]
-    return Rollout(prompts, sequences, masks, [True, False, False, True], 0, 4)
+    cut = [True, False, False, True]
+    texts = [completion_text(CharDecoder(), s, len(prompts[r // 2]), stopped=not cut[r]) for r, s in enumerate(sequences)]
+    return Rollout(prompts, sequences, masks, cut, 0, 4, conversations=[AllRight()[0], AllRight()[1]], texts=texts)
 
 
 def test_lengths_leave_the_stop_token_out():
@@ -50,7 +52,7 @@ class CharDecoder:
 @pytest.mark.parametrize("policy", ["keep", "mask", "zero"])
 def test_score_truncation_policy(policy):
     "zero: a cut reply earns 0 and the group's advantages follow; keep and mask: rewards as the task gave them."
-    s = score(CharDecoder(), AllRight(), [0, 1], cut_batch(), LossSettings(truncated=policy))
+    s = score(AllRight(), cut_batch(), LossSettings(truncated=policy))
     assert s.cut.tolist() == [True, False, False, True]
     if policy == "zero":
         assert s.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
@@ -126,7 +128,7 @@ def test_evaluation_and_training_agree_on_stopping_and_text():
     sampling = Sampling(num_samples=4, max_new_tokens=24, temperature=1.0, top_k=None)
     seeds = [problem_seed(42, i) for i in indices]  # evaluation's seeds, so the engine draws the same samples
     batch = rollout(Engine(model, tok), tok, task, indices, sampling, seeds, max_rows=64)
-    scores = score(tok, task, indices, batch)
+    scores = score(task, batch)
     evaluated = sample_outcomes(Engine(model, tok), tok, task, indices, sampling, seed=42, prompts_per_batch=6)
     assert 0 < scores.cut.sum() < len(batch.sequences), "the test needs rows that stop and rows that are cut"
     assert torch.equal(evaluated.stopped.flatten(), ~scores.cut)
