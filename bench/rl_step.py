@@ -2,7 +2,8 @@
 
 The workload is chat_rl's, shrunk to a CPU: a random nanochat-shaped depth-4 model (n_embd 256, 2 heads, vocab
 32768) written by nanochat's own code, real GSM8K, `--examples-per-step 2 --num-samples 8 --device-batch-size 8
---max-new-tokens 64`, float32, 2 threads. Both sides read the same base dir (see `nanochat_peer.py`): nanochat runs
+--max-new-tokens 64`, 2 threads; nanorl in its default dtype (`--dtype auto`: bf16 where `bf16_pays`), nanochat's
+chat_rl in its own (float32 on a CPU). Both sides read the same base dir (see `nanochat_peer.py`): nanochat runs
 `scripts/chat_rl.py` unmodified through its harness (which times each step from outside), nanorl runs
 `python -m nanorl.train` with the same flags. Runs alternate (nanochat, nanorl, nanochat, ...) in fresh processes so
 both see the same machine load. A step is steady from the second one on: nanochat's first compiles its optimizer
@@ -151,7 +152,7 @@ def main():
     steps = {f"{k}_step": v for k, v in med.items()}
     print(
         json.dumps(
-            {"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), "dtype": args.dtype or "float32", **steps,
+            {"isa": args.isa, "threads": args.threads, "cpu": cpu_label(), "dtype": args.dtype or "auto", **steps,
              "ratio": med[peer] / med["nanorl"]}
         )
     )

@@ -236,12 +236,15 @@ STEERING = ("model_tag", "model_step", "source", "model_path", "task", "seed", "
             "loss_norm", "skip_zero_signal", "logp", "train_stop", "kl_coef", "entropy_coef", "lr_schedule",
             "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap", "cpu_fast_paths",
             "data_dir", "data_sha256",   # the data the task read: its folder, {file: sha256} (`15c_start`)
-            "model_sha256")              # the --model-path folder's files (tokenizer, template, reference weights)
+            "model_sha256",              # the --model-path folder's files (tokenizer, template, reference weights)
+            "compute_dtype")             # what --dtype auto chose on this CPU for this model (`15c_start`)
 FILES = {"data_sha256": "data file", "model_sha256": "model file"}
 
 def describe_changes(changed: dict) -> str:
     "Changed settings as messages list them: `--flag old -> new`, and each data or model file new, gone or changed."
     def one(k, a, b):
+        if k == "compute_dtype":                                # no flag of its own: what --dtype resolved to
+            return f"the compute dtype {a} -> {b} (--dtype {a} keeps the run's on this CPU)"
         if k not in FILES:
             return f"--{k.replace('_', '-')} {a} -> {b}"
         a, b = a or {}, b or {}

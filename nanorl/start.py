@@ -16,12 +16,13 @@ from .rundir import check_same_run, claim_run_dir, describe_changes, release_run
 from .llama import Llama
 from .rewards import TaskView, as_task
 from .tasks import GSM8K, Arithmetic, Countdown, countdown_files, read_countdown_rows
-from .scale import gather_muon, is_sharded, sharded_optim_state
+from .scale import compute_dtype, gather_muon, is_sharded, sharded_optim_state
+from .speedups import bf16_pays, fast_paths_for
 from .config import Config
 
 # %% auto #0
 __all__ = ['ARITHMETIC_PROBLEMS', 'HELD_OUT_SEED', 'HELD_OUT_PROBLEMS', 'check_tasks', 'make_tasks', 'task_files', 'data_record',
-           'PolicyStart', 'load_policy', 'continue_run', 'build_optimizer']
+           'PolicyStart', 'run_dtype', 'dtype_record', 'load_policy', 'continue_run', 'build_optimizer']
 
 # %% ../nbs/15c_start.ipynb #24c020ac
 def check_tasks(tasks, cfg: Config):
@@ -119,6 +120,16 @@ class PolicyStart:
     optim_state: dict | None = None      # the optimizer state to continue with (resume only)
     resume: dict | None = None           # step, RNG state and counters to continue with (resume only)
     reference: torch.nn.Module | None = None   # frozen source model for --kl-coef
+    dtype: torch.dtype = torch.float32   # what the run computes in (`run_dtype`)
+
+def run_dtype(cfg: Config, model, device) -> torch.dtype:
+    "The run's compute dtype: --dtype, where auto weighs the CPU and the model (`bf16_pays`, `13_speedups`)."
+    fast = cfg.cpu_fast_paths and fast_paths_for(device)
+    return compute_dtype(cfg.dtype, torch.device(device), cpu_bf16=fast and bf16_pays(model))
+
+def dtype_record(dtype: torch.dtype) -> dict:
+    "What a resume checks of the dtype, since auto resolves by CPU and model: {'compute_dtype': 'bfloat16'}."
+    return {"compute_dtype": str(dtype).removeprefix("torch.")}
 
 def load_policy(cfg: Config, device, world_size: int, rank: int, data: dict | None = None) -> PolicyStart:
     "The source checkpoint's policy, or this run's last complete checkpoint on --resume (`data`: checked on resume)."
@@ -131,10 +142,10 @@ def load_policy(cfg: Config, device, world_size: int, rank: int, data: dict | No
     claim_run_dir(out, 3 * 4 * sum(p.numel() for p in model.parameters()), device, world_size, rank)
     try:
         start = PolicyStart(model, tokenizer, out, reference=copy.deepcopy(model).eval().requires_grad_(False)
-                            if cfg.kl_coef > 0 else None)
+                            if cfg.kl_coef > 0 else None, dtype=run_dtype(cfg, model, device))
         found = resume_point(out, cfg.resume, device, world_size, rank)   # after the reference; None: a fresh run
         if found:
-            continue_run(start, found, cfg, rank, data)
+            continue_run(start, found, cfg, rank, None if data is None else data | dtype_record(start.dtype))
     except BaseException:
         release_run_dir(out)
         raise

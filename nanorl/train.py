@@ -19,15 +19,15 @@ from .rundir import check_writable, elastic_restarts, open_run_file, release_run
 from .engine import context_limit
 from .tasks import read_jsonl
 from .evaluate import evaluate_pass_at_k
-from .speedups import bf16_pays, fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
+from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
 from .llama import machine_memory
-from .scale import (PhasePeaks, autocast_for, check_ranks_agree, compute_dtype, full_model_state,
+from .scale import (PhasePeaks, autocast_for, check_ranks_agree, full_model_state,
                           full_optim_state, is_sharded, process_group, reduce_max, reduce_sums, shard_model,
                           use_sparse_embedding_grads)
 from .vllm_engine import rollout_engine
 from .step import PASS_SUMS, NonFiniteError, Policy, Scores, learn, sample, score, update
 from .config import Config, config_from_args, resolve_preset, validate
-from .start import PolicyStart, build_optimizer, check_tasks, data_record, load_policy, make_tasks
+from .start import PolicyStart, build_optimizer, check_tasks, data_record, dtype_record, load_policy, make_tasks
 
 # %% auto #0
 __all__ = ['lr_multiplier', 'RunLog', 'Trainer', 'train', 'main']
@@ -102,6 +102,7 @@ class Trainer:
                              "learning rate would still be rising when the run ends")
         self.data = data_record(cfg, (self.train_task, self.val_task))      # what a resume checks of the data
         policy = load_policy(cfg, device, world_size, rank, self.data)   # holds the run directory's lock from here on
+        self.data |= dtype_record(policy.dtype)                          # auto's choice: a resume keeps it too
         try:
             self.setup(policy)
         except BaseException:
@@ -112,8 +113,7 @@ class Trainer:
         "The policy's model (sharded, sped up), its optimizer and engine; prompt room checked against the tasks."
         cfg, device = self.cfg, self.device
         self.model, self.tokenizer, self.out = policy.model, policy.tokenizer, policy.out
-        fast = cfg.cpu_fast_paths and fast_paths_for(device)            # packed weights, the fused loss (`13_speedups`)
-        self.dtype = compute_dtype(cfg.dtype, device, cpu_bf16=fast and bf16_pays(self.model))
+        self.dtype, fast = policy.dtype, cfg.cpu_fast_paths and fast_paths_for(device)   # fast: packed weights etc.
         self.autocast = autocast_for(device, self.dtype)
         if cfg.fsdp:                                # after the (resumed) weights are in: each rank keeps its slices
             for m in filter(None, (self.model, policy.reference)):

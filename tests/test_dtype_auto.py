@@ -43,3 +43,22 @@ def test_avx2_kernels_mean_float32(tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_resume_sees_what_auto_chose(tmp_path, monkeypatch, capsys):
+    "auto resolves by CPU and model: a resume where it resolves otherwise (another CPU kind) names it and refuses."
+    from nanorl.train import main
+
+    base = tmp_path / "base"
+    shutil.copytree(NANOCHAT_HEAD, base)
+    run = [*small_run(dtype="auto", model_tag="d3", save_every=1), "--base-dir", str(base)]
+    monkeypatch.setattr("nanorl.start.bf16_pays", lambda model: True)        # a CPU where bf16 pays
+    main([*run, "--num-steps", "1"])
+    monkeypatch.setattr("nanorl.start.bf16_pays", lambda model: False)       # the same run on a CPU where it does not
+    with pytest.raises(SystemExit) as e:
+        main([*run, "--num-steps", "2", "--resume"])
+    msg = str(e.value.code)
+    assert "the compute dtype bfloat16 -> float32 (--dtype bfloat16 keeps the run's" in msg and "\n" not in msg, msg
+    capsys.readouterr()
+    main([*run, "--num-steps", "2", "--resume", "--allow-changes"])
+    assert "the compute dtype bfloat16 -> float32" in capsys.readouterr().out
