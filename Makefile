@@ -44,7 +44,7 @@ GSM8K_DATA ?= ../shared/data/gsm8k
 gsm8k: $(STAMP)  ## the recorded GSM8K run (18_real): Qwen2.5-Coder-0.5B-Instruct, 10 steps on GSM8K train, 23 min on a 2-core Zen 5
 	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) gguf accelerate
 	$(BIN)/python bench/qwen_coder.py
-	$(BIN)/python -m nanorl.real --problems gsm8k --data-dir $(GSM8K_DATA) --threads 2
+	$(BIN)/python -m nanorl.real --problems gsm8k --data-dir $(GSM8K_DATA) --threads 2 --output-dir runs/gsm8k
 
 test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest (numerics on AVX2 too)
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_export; \

@@ -226,7 +226,8 @@ def test_make_gsm8k(tmp_path):
     assert dry.returncode == 0, dry.stderr
     recipe = [l.split() for l in dry.stdout.splitlines() if "/python" in l]
     assert [w[1:3] for w in recipe] == [["-m", "pip"], ["bench/qwen_coder.py"], ["-m", "nanorl.real"]], dry.stdout
-    assert recipe[-1][3:] == ["--problems", "gsm8k", "--data-dir", "../shared/data/gsm8k", "--threads", "2"]
+    assert recipe[-1][3:] == ["--problems", "gsm8k", "--data-dir", "../shared/data/gsm8k", "--threads", "2",
+                              "--output-dir", "runs/gsm8k"]        # beside make real's runs/real, not over it
     save_tiny_hf_model("qwen2", tmp_path / "tiny")
     out = tmp_path / "run"
     args = ["--model-path", tmp_path / "tiny", "--problems", "gsm8k", "--data-dir", GSM8K_SLICE, "--num-steps", "1",
