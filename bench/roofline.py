@@ -14,7 +14,8 @@
 3. Floors of one step: 2 prompts x 8 samples x 128 new tokens on SmolLM2-135M-Instruct (bench/trl_grpo.py's step) and
    2 x 8 x 64 on the nanochat-shaped d4 (bench/rl_step.py's step), and with `--models qwen` 4 x 8 x 384 on
    Qwen2.5-Coder-0.5B-Instruct (the GSM8K run of `nanorl.real --problems gsm8k`, prompts as that run renders them),
-   from each model's shape (built on the meta device from its config.json or checkpoint meta). What a floor counts (`Floor`'s fields name the parts):
+   from each model's shape (built on the meta device from its config.json or checkpoint meta). What a floor counts
+   (`Floor`'s fields name the parts):
    - rollout: the prompt's prefill once per group (its weights read once, its FLOPs at the peak), then one decode step
      per further new token, each the max of (all matmul weights + the KV cache so far, read at the read bandwidth;
      the prompt's keys/values once per group) and (its FLOPs: 2 x matmul parameters x rows + attention, at the peak);
@@ -30,7 +31,8 @@
    value-embedding tables are lookups and count neither FLOPs nor a full read.
 4. Measured: `python -m nanorl.train` in a fresh process with the flags of bench/trl_grpo.py's nanorl side (SmolLM2)
    or bench/rl_step.py (d4, when bench/results/nanochat-base holds its checkpoint: `python bench/rl_step.py` builds
-   it) or the GSM8K recipe (qwen: bf16, passes of 2 replies; a step takes minutes), `--steps` steps, the first left out; its metrics.jsonl's t_rollout, t_reward and t_train, each against its
+   it) or the GSM8K recipe (qwen: bf16, passes of 2 replies; a step takes minutes), `--steps` steps, the first left
+   out; its metrics.jsonl's t_rollout, t_reward and t_train, each against its
    floor at that step's prompts and mean completion length (the floor at the full new-token limit is shown too).
 
 Prints the CPU kind first, then a markdown table for bench/README.md; `--json PATH` writes every figure.
@@ -217,7 +219,7 @@ def shape_of(model: torch.nn.Module, name: str, layers: int, q_dim: int, kv_dim:
                       model.lm_head.weight.numel(), total, muon, total - sum(r * c for r, c in muon))
 
 
-def folder_shape(folder: Path, name: str = "SmolLM2-135M-Instruct") -> ModelShape:
+def folder_shape(folder: Path, name: str) -> ModelShape:
     "A Hugging Face model's shape from its config.json (nanorl's decoder built on the meta device)."
     from nanorl.llama import DecoderConfig, Llama
 
@@ -477,7 +479,7 @@ def smollm2_run(args) -> ModelRun | str:
         return f"SmolLM2-135M-Instruct skipped: no folder at {folder}; build it with `python bench/smollm2.py`"
     from nanorl.chat import ChatTokenizer
 
-    shape, new = folder_shape(folder), args.new_tokens
+    shape, new = folder_shape(folder, "SmolLM2-135M-Instruct"), args.new_tokens
     prompts = step_prompt_tokens(ChatTokenizer.from_directory(folder), args.steps)
     measured = [] if args.no_measure else step_times(run_train(smollm2_flags(folder, new), args.steps, args.threads),
                                                      prompts)

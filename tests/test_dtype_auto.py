@@ -37,7 +37,7 @@ def test_auto_stays_float32_without_the_fast_paths_or_for_small_models(tmp_path)
     assert trainer(tmp_path / "f32", NANOCHAT_HEAD, "--dtype", "float32").dtype == torch.float32
 
 
-def test_avx2_kernels_mean_float32(tmp_path):
+def test_avx2_kernels_mean_float32():
     "With torch's kernels capped at AVX2 (the numerics rerun of `make test`), bf16 is not native: auto is float32."
     code = "from nanorl.optim import native_cpu_bf16; print(native_cpu_bf16())"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
