@@ -46,14 +46,14 @@ gsm8k: $(STAMP)  ## the recorded GSM8K run (18_real): Qwen2.5-Coder-0.5B-Instruc
 	$(BIN)/python bench/qwen_coder.py
 	$(BIN)/python -m nanorl.real --problems gsm8k --data-dir $(GSM8K_DATA) --threads 2 --output-dir runs/gsm8k
 
-test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebook tests, pytest (numerics on AVX2 too)
+test: $(STAMP)  ## library in sync with notebooks, notebooks clean, notebooks run (saved outputs still true), pytest (numerics on AVX2 too)
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_export; \
 	 if [ "$$before" != "$$($(SNAPSHOT))" ]; then \
 	   echo "FAIL: nbdev_export changed nanorl/: the library is out of sync with nbs/ (edit the notebooks, then run nbdev_export)"; exit 1; fi
 	@before="$$($(SNAPSHOT))"; $(BIN)/nbdev_clean; \
 	 if [ "$$before" != "$$($(SNAPSHOT))" ]; then \
 	   echo "FAIL: nbdev_clean changed nbs/: run nbdev_clean and commit the result"; exit 1; fi
-	$(OFFLINE) $(BIN)/nbdev_test --n_workers 2 --timing$(if $(VLLM), --flags vllm)
+	$(OFFLINE) $(BIN)/python tests/notebooks.py --n_workers 2 --timing$(if $(VLLM), --flags vllm)
 	@$(OFFLINE) $(BIN)/python -m pytest tests/ -q -p no:cacheprovider; rc=$$?; \
 	 if [ $$rc = 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 ifneq ($(AVX512),)

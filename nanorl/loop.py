@@ -25,7 +25,7 @@ def rl_loop(model, tokenizer, task, steps: int = 40, problems: int = 16, samplin
     for step in range(steps):
         indices = step_examples(step, problems, len(task))                       # this step's problems
         seeds = sample_seeds(0, step, indices)                                   # one per problem
-        batch = sample(engine, policy, tokenizer, task, indices, sampling, seeds, max_rows=256)
+        batch = sample(engine, policy, tokenizer, task, indices, sampling, seeds, rollout_rows=256)
         scores = score(task, batch, settings)                                    # r, A = r - mean(r)
         learn(policy, batch, scores, settings)                                   # -A log p, backward
         update(policy, optimizer)                                                 # one optimizer step

@@ -6,12 +6,11 @@
 from __future__ import annotations
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 # %% auto #0
 __all__ = ['NORMALIZATIONS', 'IS_MODES', 'token_logp', 'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache',
            'shared_token_logp', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_sum',
-           'token_entropy', 'importance_weights']
+           'importance_weights']
 
 # %% ../nbs/11_loss.ipynb #5e0c1a02
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
@@ -29,6 +28,7 @@ class GraphKVCache:
         self.keys, self.values = [None] * num_layers, [None] * num_layers    # each (1 | B, T, H_kv, D)
         self.cache_seqlens = torch.zeros(1, dtype=torch.long, device=device) # (B,)
         self.prev_embedding = None                                            # (1 | B, 1, d), in the graph
+        self.prefix_out = None                                                # (1, P, d): the prefix call's output
         self.max_seq_len = max_seq_len
 
     @property
@@ -71,20 +71,20 @@ def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKV
     "A cache holding the first prefix_len tokens of inputs (B, T), run once at batch 1, shared by all B rows."
     cache = GraphKVCache(model.config.n_layer, model.rotary_len, inputs.device)
     if prefix_len:
-        model.hidden(inputs[:1, :prefix_len], kv_cache=cache)
+        cache.prefix_out = model.hidden(inputs[:1, :prefix_len], kv_cache=cache)
     return cache.expand(inputs.shape[0])
 
 def shared_token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
                       entropy_grad: bool = False, sampler=None):
     "`token_logp` (B, T) with the rows' shared prompt run once; the plain path where nothing can be shared."
-    fsdp_grad = torch.is_grad_enabled() and isinstance(model, FSDPModule)    # FSDP2 frees weights between calls
-    P = 0 if fsdp_grad else shared_prefix_len(inputs, targets)
+    P = shared_prefix_len(inputs, targets)
     if not P:
         return token_logp(model, inputs, targets, with_entropy, entropy_grad, sampler)
     cache = shared_prefix_cache(model, inputs, P)
     logp, entropy = token_logp(model, inputs[:, P:], targets[:, P:], True, entropy_grad, sampler,
                                kv_cache=cache)                                  # (B, T - P) each
     logp, entropy = (F.pad(x, (P, 0)) for x in (logp, entropy))                # (B, T) each
+    logp = logp + 0 * cache.prefix_out.sum()           # the prefix call in the loss: FSDP2 regathers for its backward
     return (logp, entropy) if with_entropy else logp
 
 # %% ../nbs/11_loss.ipynb #86c058da
@@ -177,12 +177,6 @@ def token_sum(per_token: torch.Tensor, mask: torch.Tensor, normalization: str, n
     if normalization == "nanochat":
         total = total / m.sum().clamp(min=1)
     return total / normalizer
-
-# %% ../nbs/11_loss.ipynb #3d69c500
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    "Entropy (nats) of the softmax over the last dimension, computed in float32: (..., V) -> (...)."
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 # %% ../nbs/11_loss.ipynb #5e0c1a0c
 IS_MODES = ("none", "tis", "mask")

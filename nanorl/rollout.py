@@ -65,7 +65,7 @@ class Rollout:
     masks: list           # like sequences: 1 where the token was sampled (a stop too), 0 for prompt and tool output
     cut: list             # per row: True if the token limit ended it before a stop token (the engine's report)
     tool_calls: int       # calculator calls over all samples
-    rows_per_call: int    # rows per engine call at the end (smaller after an out-of-memory retry)
+    rollout_rows: int     # rows per engine call at the end (smaller after an out-of-memory retry)
     logprobs: list | None = None   # like sequences: the sampler's log-prob of each sampled token, 0 elsewhere
     conversations: list = field(default_factory=list)   # one per problem: what its group answers
     texts: list = field(default_factory=list)           # per row: the reply as the task judges it (`completion_text`)
@@ -129,12 +129,12 @@ def check_prompt_room(tokenizer, task, max_new_tokens: int, limit: int, flag: st
                          f"tokens, and prompt + new tokens must fit the model's {limit} positions; lower {flag} to at "
                          f"most {limit - longest}")
 
-def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, max_rows: int) -> Rollout:
-    "A group of samples for each problem of `indices`, in engine calls of at most `max_rows` rows, and their texts."
+def rollout(engine, tokenizer, task, indices, sampling: Sampling, seeds, rollout_rows: int) -> Rollout:
+    "A group of samples for each problem of `indices`, in engine calls of at most `rollout_rows` rows, and their texts."
     conversations = [task[i] for i in indices]
     prompts = [prompt_ids(tokenizer, c) for c in conversations]
     n = sampling.num_samples
-    per_call = max(1, max_rows // n)
+    per_call = max(1, rollout_rows // n)
     sequences, masks, logprobs, cut, tool_calls, j = [], [], [], [], 0, 0
     while j < len(prompts):
         try:

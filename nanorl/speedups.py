@@ -26,7 +26,8 @@ __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS'
            'keep_freed_memory']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # CPU builds
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and all(   # CPU builds that still have both private ops
+    hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 BF16 = torch.bfloat16
 LATER = object()  # a PackedLinear not yet reordered
 

@@ -50,11 +50,11 @@ class Policy:
     reference: torch.nn.Module | None = None
 
 # %% ../nbs/15a_step.ipynb #05d5ead6
-def sample(engine, policy: Policy, tokenizer, task, indices, sampling: Sampling, seeds, max_rows: int) -> Rollout:
+def sample(engine, policy: Policy, tokenizer, task, indices, sampling: Sampling, seeds, rollout_rows: int) -> Rollout:
     "A group of `sampling.num_samples` completions for each problem of `indices`, drawn from the policy."
     policy.model.eval()
     with engine.sampling_context(policy.model), policy.autocast:
-        batch = rollout(engine, tokenizer, task, indices, sampling, seeds, max_rows)
+        batch = rollout(engine, tokenizer, task, indices, sampling, seeds, rollout_rows)
     policy.model.train()
     return batch
 

@@ -166,8 +166,8 @@ class Trainer:
 @patch
 def fit_rollout_rows(self: Trainer, batch: Rollout):
     "Rows per engine call for the next step: the smaller size after an out-of-memory retry, else double, up to the cap."
-    smaller = batch.rows_per_call < self.rollout_rows
-    self.rollout_rows = batch.rows_per_call if smaller else min(2 * self.rollout_rows, self.cfg.rollout_rows)
+    smaller = batch.rollout_rows < self.rollout_rows
+    self.rollout_rows = batch.rollout_rows if smaller else min(2 * self.rollout_rows, self.cfg.rollout_rows)
 
 # %% ../nbs/16_train.ipynb #fdc17304
 @patch
@@ -189,7 +189,7 @@ def metrics(self: Trainer, batch: Rollout, scores: Scores, stats: dict, grad_nor
             "tool_calls_per_sample": sums["tool_calls"] / rows, "stop_trained": int(sums["stop_trained"]), **gaps,
             "stop_rate": 1 - sums["cut"] / rows, "truncated_frac": sums["cut"] / rows,
             "stop_adv": sums["stop_adv"] / max(sums["stop_trained"], 1),
-            "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rows_per_call,
+            "lr": lrm * self.optimizer.param_groups[0]["initial_lr"], "rollout_rows": batch.rollout_rows,
             **{k: v / rows for k, v in sums.items() if k.startswith("reward_")}}
 
 # %% ../nbs/16_train.ipynb #16d1e26e

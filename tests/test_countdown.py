@@ -186,7 +186,7 @@ def test_assistant_prefix_is_prompt_not_trained_and_rewarded(tok, tmp_path):
         assert prompt == rendered + tk.encode(R1_PREFIX), name
         assert tk.decode(prompt).endswith(generation_prompt + R1_PREFIX), name
         sampling, seeds = Sampling(num_samples=3, max_new_tokens=5), sample_seeds(0, 0, [0, 1])
-        batch = rollout(Engine(model, tk), tk, task, [0, 1], sampling, seeds, max_rows=8)  # the engine continues
+        batch = rollout(Engine(model, tk), tk, task, [0, 1], sampling, seeds, rollout_rows=8)  # the engine continues
         assert batch.prompts[0] == prompt
         for r, (seq, m) in enumerate(zip(batch.sequences, batch.masks)):
             p = batch.prompts[r // 3]
@@ -194,7 +194,7 @@ def test_assistant_prefix_is_prompt_not_trained_and_rewarded(tok, tmp_path):
         _, targets = collate(batch.sequences, batch.masks, pad_id=0)
         assert (targets[0, : len(prompt) - 1] == -1).all(), name  # no prefix token is ever a target
         # a reply that only closes the think block the prefix opened: right and formatted, as the reward sees it
-        scripted = rollout(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2), [0], max_rows=8)
+        scripted = rollout(ReplyEngine(tk, reply), tk, task, [0], Sampling(num_samples=2), [0], rollout_rows=8)
         scores = score(task, scripted)
         assert scores.rewards.tolist() == [1.5, 1.5], name
         assert task.reward(task[0], reply) == 1.0  # the same text without the prefix: no format term

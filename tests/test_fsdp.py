@@ -1,8 +1,7 @@
 """--fsdp: the same run as DDP, checkpoints nanochat and transformers load, exact resume after SIGKILL, half memory.
 
-DDP and FSDP differ in rounding only where their arithmetic differs (DDP runs a pass's shared prompt once, FSDP once
-per row): such runs are compared on one step, whose samples come from identical weights, within the bounds of
-tests/rounding.py; where the arithmetic is the same, whole runs are compared bit for bit."""
+Both run a pass's shared prompt once (`11_loss`), but FSDP2 reduces the prefix call's gradients apart from the rest:
+one step is compared within the bounds of tests/rounding.py, and whole runs without the shared prompt bit for bit."""
 
 import json, math, os, shutil, signal, subprocess, sys
 from pathlib import Path
@@ -54,9 +53,7 @@ def fsdp_run(tmp_path_factory):
 def test_fsdp_equals_ddp(fsdp_run, tmp_path):
     """Same checkpoint and seed, 2 ranks, one step each: DDP and FSDP sample the same completions from the same weights
     (equal rewards and pass@k), and compute the loss, the gradient and the update within float32 rounding of each
-    other (tests/rounding.py's bounds: DDP runs each pass's shared prompt once, FSDP once per row). Later steps
-    sample from weights that differ in their last bits, so their samples may differ on another CPU and are not
-    compared; test_fsdp_is_ddp_without_the_shared_prompt compares whole runs where the arithmetic is the same."""
+    other (tests/rounding.py's bounds); test_fsdp_is_ddp_to_the_bit compares whole runs where the order is the same."""
     runs = {name: base_dir(tmp_path, name) for name in ("ddp", "fsdp")}
     for name, base in runs.items():
         two_ranks(base, *(["--fsdp"] if name == "fsdp" else []), steps=["--num-steps", "1"])
@@ -72,18 +69,20 @@ def test_fsdp_equals_ddp(fsdp_run, tmp_path):
     )
 
 
-def test_fsdp_is_ddp_without_the_shared_prompt(fsdp_run, tmp_path):
-    """DDP doing FSDP's arithmetic (each row runs its own prompt): weights, optimizer state and metrics equal to the
-    bit, but the gradient norm (FSDP sums each rank's squares of its slices, then over ranks: another rounding
-    order). The equality does not depend on the CPU: both runs call the same kernels on the same shapes in the same
-    order, and two ranks' gradients add to the same float in either order (a + b == b + a; halving is exact), so
-    every step's weights, hence its samples, stay bit-equal."""
-    ddp = base_dir(tmp_path, "ddp")
+def test_fsdp_is_ddp_to_the_bit(tmp_path):
+    """DDP and FSDP2 with every row running its own prompt: weights, optimizer state and metrics of whole runs equal to
+    the bit, but the gradient norm (FSDP sums each rank's squares of its slices, then over ranks: another rounding
+    order). With the shared prompt FSDP2 reduces the prefix call's gradients apart from the rest (another rounding
+    order, test_fsdp_equals_ddp's bounds); without it the equality does not depend on the CPU: both runs call the
+    same kernels on the same shapes in the same order, and two ranks' gradients add to the same float in either order
+    (a + b == b + a; halving is exact), so every step's weights, hence its samples, stay bit-equal."""
+    ddp, fsdp = base_dir(tmp_path, "ddp"), base_dir(tmp_path, "fsdp")
     two_ranks(ddp, script="unshared_prompt_train.py")
+    two_ranks(fsdp, "--fsdp", script="unshared_prompt_train.py")
     load = lambda base, name: torch.load(checkpoints_of(base) / name, weights_only=True)
     for name in ("model_000005.pt", "optim_000005_rank0.pt"):
-        assert_same_tensors(load(ddp, name), load(fsdp_run, name), name)
-    a, b = records(ddp, drop_timing=True), records(fsdp_run, drop_timing=True)
+        assert_same_tensors(load(ddp, name), load(fsdp, name), name)
+    a, b = records(ddp, drop_timing=True), records(fsdp, drop_timing=True)
     assert [r.pop("grad_norm") for r in a] == pytest.approx([r.pop("grad_norm") for r in b], rel=GRAD_NORM_RTOL)
     assert a == gaps_apart(a, b)
 

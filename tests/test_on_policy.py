@@ -129,7 +129,7 @@ def test_stop_token_logprob_moves_with_its_advantage(demo):
     "Rows whose only trained token is their stop: its log-prob rises with a positive advantage, falls with a negative."
     model, tok, prompts, task = demo
     sampling = Sampling(num_samples=4, max_new_tokens=48, temperature=1.0, top_k=None)
-    batch = rollout(Engine(model, tok), tok, task, [3], sampling, sample_seeds(0, 0, [3]), max_rows=4)
+    batch = rollout(Engine(model, tok), tok, task, [3], sampling, sample_seeds(0, 0, [3]), rollout_rows=4)
     assert not any(batch.cut), "the demo model stops within 48 tokens"
     only_stop = Rollout(batch.prompts, batch.sequences, [[0] * (len(m) - 1) + [1] for m in batch.masks], batch.cut, 0,
                         4, batch.logprobs)  # the completion's own tokens untrained: the stop alone

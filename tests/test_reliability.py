@@ -366,7 +366,7 @@ def test_rollout_oom_at_one_prompt_is_a_clear_error():
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     with pytest.raises(torch.OutOfMemoryError, match="lower --num-samples or --max-new-tokens"):
-        rollout(Engine(), Tokenizer(), [{}] * 4, [0, 1, 2, 3], Sampling(4, 8, 1.0, 0), [1, 2, 3, 4], max_rows=16)
+        rollout(Engine(), Tokenizer(), [{}] * 4, [0, 1, 2, 3], Sampling(4, 8, 1.0, 0), [1, 2, 3, 4], rollout_rows=16)
 
 
 # ---------------------------------------------------------------- bad inputs: a clear error before any work

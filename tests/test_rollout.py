@@ -51,7 +51,7 @@ def test_score_with_shaping_judges_each_completion_once():
         prompts[1] + [ord(c) for c in s] for s in ("ok", "ok")
     ]
     texts = [completion_text(tok, r, len(prompts[k // 2])) for k, r in enumerate(rows)]    # cut rows: every token
-    batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], cut=[True] * 4, tool_calls=0, rows_per_call=4,
+    batch = Rollout(prompts, rows, [[1] * len(r) for r in rows], cut=[True] * 4, tool_calls=0, rollout_rows=4,
                     conversations=[task[0], task[1]], texts=texts)
     assert texts == ["ok", "KO", "ok", "ok"]
     s = score(task, batch)
@@ -86,7 +86,7 @@ def test_score_and_learn_refuse_a_rollout_without_its_records():
     "A Rollout built by hand without its texts, conversations or sampling: one line naming what is missing."
     from nanorl.step import LossSettings, Policy, Scores, learn
 
-    batch = Rollout([[0]], [[0, 1], [0, 2]], [[0, 1], [0, 1]], cut=[True, True], tool_calls=0, rows_per_call=2)
+    batch = Rollout([[0]], [[0, 1], [0, 2]], [[0, 1], [0, 1]], cut=[True, True], tool_calls=0, rollout_rows=2)
     with pytest.raises(ValueError, match="conversations and texts"):
         score(ShapedTask(), batch)
     none = torch.zeros(2)

@@ -96,3 +96,57 @@ def test_fast_paths_stay_off_a_gpu():
         speedups.use_fast_paths(model)
     assert model.fast_paths is None
     assert speedups.use_fast_paths(model, on=False).fast_paths is None  # switching off is always allowed
+
+
+@pytest.mark.skipif(not speedups.ONEDNN_LINEAR, reason="this torch build has no oneDNN linear ops")
+def test_onednn_training_falls_back_when_the_private_ops_refuse(monkeypatch):
+    """With oneDNN's private ops refusing (a torch build that dropped or changed them), the trained product, its
+    gradients and the no-gradient product are F.linear's, and the copy stops using oneDNN. Tolerance: 256-term float32
+    sums in another order, relative 1e-5 of the largest entry."""
+    torch.manual_seed(0)
+    W, b = torch.randn(64, 256, requires_grad=True), torch.randn(64, requires_grad=True)
+    x = torch.randn(3, 5, 256, requires_grad=True)
+    F_out = torch.nn.functional.linear(x, W, b)
+    F_out.pow(2).sum().backward()
+    want = [F_out.detach()] + [t.grad.clone() for t in (x, W, b)]
+    for t in (x, W, b):
+        t.grad = None
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn::_linear_pointwise: not supported here")
+
+    pack = speedups.PackedLinear(W, b)
+    assert pack.packed is not None                     # packed before the ops start refusing
+    monkeypatch.setattr(speedups, "_onednn", refuse)
+    out = pack.trained(x, W, b)
+    out.pow(2).sum().backward()
+    for got, ref in zip([out.detach()] + [t.grad for t in (x, W, b)], want):
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert not pack.onednn and pack.packed is None     # F.linear from now on
+    with torch.no_grad():
+        again = speedups.PackedLinear(W, b)
+        assert (again(x) - F_out.detach()).abs().max() <= 1e-5 * F_out.abs().max()
+
+
+@pytest.mark.skipif(not speedups.ONEDNN_LINEAR, reason="this torch build has no oneDNN linear ops")
+def test_a_weight_changed_inside_a_block_is_repacked():
+    "A packed model whose weights change inside one block (twice) computes with the new weights each time."
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=2, n_embd=512))
+    model.init_weights()
+    with torch.no_grad():                                           # zero-initialized projections would hide it
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ids = torch.randint(0, 64, (2, 8))
+    with speedups.packed_weights(model), torch.no_grad():
+        w = model.transformer.h[0].mlp.c_fc.weight
+        assert model.transformer.h[0].mlp.c_fc.pack.onednn         # 2048 x 512 weights: packed
+        for _ in range(2):
+            model(ids)
+            w.add_(0.05 * torch.randn_like(w))                      # an update inside the block
+            with speedups.packed_weights(model):                    # nested: the same copies
+                fast = model(ids)
+            model.transformer.h[0].mlp.c_fc.pack, saved = None, model.transformer.h[0].mlp.c_fc.pack
+            plain = model(ids)                                      # F.linear on the weight as it is now
+            model.transformer.h[0].mlp.c_fc.pack = saved
+            assert (fast - plain).abs().max() <= 1e-4 * plain.abs().max()

@@ -127,7 +127,7 @@ def test_evaluation_and_training_agree_on_stopping_and_text():
     task, indices = Arithmetic(n=64, seed=0, split="train"), list(range(6))
     sampling = Sampling(num_samples=4, max_new_tokens=24, temperature=1.0, top_k=None)
     seeds = [problem_seed(42, i) for i in indices]  # evaluation's seeds, so the engine draws the same samples
-    batch = rollout(Engine(model, tok), tok, task, indices, sampling, seeds, max_rows=64)
+    batch = rollout(Engine(model, tok), tok, task, indices, sampling, seeds, rollout_rows=64)
     scores = score(task, batch)
     evaluated = sample_outcomes(Engine(model, tok), tok, task, indices, sampling, seed=42, prompts_per_batch=6)
     assert 0 < scores.cut.sum() < len(batch.sequences), "the test needs rows that stop and rows that are cut"

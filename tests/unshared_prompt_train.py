@@ -1,4 +1,4 @@
-"Run by tests/test_fsdp.py under torchrun: nanorl.train (DDP) with every pass running each row's prompt itself."
+"Run by tests/test_fsdp.py under torchrun: nanorl.train (DDP or --fsdp), every pass running each row's prompt itself."
 
 import sys
 
