@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['NORMALIZATIONS', 'IS_MODES', 'token_logp', 'GraphKVCache', 'shared_prefix_len', 'shared_prefix_cache',
-           'shared_token_logp', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss', 'token_sum',
-           'importance_weights']
+__all__ = ['NORMALIZATIONS', 'IS_MODES', 'token_logp', 'count_trained', 'loss_normalizer', 'surrogate', 'kl_k3', 'pg_loss',
+           'token_sum', 'importance_weights']
 
 # %% ../nbs/11_loss.ipynb #5e0c1a02
 def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
@@ -19,72 +18,6 @@ def token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy:
     nll, entropy = model(inputs, targets=targets, kv_cache=kv_cache, loss_reduction="none", with_entropy=True,
                          entropy_grad=entropy_grad, sampler=sampler)              # (B * T,) each
     logp, entropy = (x.view(inputs.shape) for x in (-nll, entropy))              # (B, T) each
-    return (logp, entropy) if with_entropy else logp
-
-# %% ../nbs/11_loss.ipynb #5c0a1302
-class GraphKVCache:
-    "Keys/values kept as autograd tensors (no buffer, no detach), for a prefix computed once and shared by B rows."
-    def __init__(self, num_layers, max_seq_len, device=None):
-        self.keys, self.values = [None] * num_layers, [None] * num_layers    # each (1 | B, T, H_kv, D)
-        self.cache_seqlens = torch.zeros(1, dtype=torch.long, device=device) # (B,)
-        self.prev_embedding = None                                            # (1 | B, 1, d), in the graph
-        self.prefix_out = None                                                # (1, P, d): the prefix call's output
-        self.max_seq_len = max_seq_len
-
-    @property
-    def batch_size(self):
-        "Rows the cache holds: 1 for the prefix, B once expanded."
-        return self.cache_seqlens.shape[0]
-
-    def expand(self, batch_size):
-        "Share what is stored so far (batch 1) with `batch_size` rows."
-        if self.batch_size != 1:
-            raise ValueError(f"only a batch-1 prefix can be expanded, this cache has {self.batch_size} rows")
-        self.cache_seqlens = self.cache_seqlens.expand(batch_size).clone()
-        return self
-
-    def update(self, layer, k, v, ctx):
-        "Append keys/values (B, T, H_kv, D) after the stored ones; return all of them (B, k_len, H_kv, D)."
-        if not ctx["uniform"]:
-            raise ValueError("GraphKVCache needs every row at the same position")
-        if self.keys[layer] is not None:
-            B = k.shape[0]
-            k = torch.cat([self.keys[layer].expand(B, -1, -1, -1), k], dim=1)
-            v = torch.cat([self.values[layer].expand(B, -1, -1, -1), v], dim=1)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def remember_last(self, x):
-        "Keep the last position of x (B, T, d) for the next forward's smear, gradient included."
-        self.prev_embedding = x[:, -1:]
-
-# %% ../nbs/11_loss.ipynb #5c0a1304
-def shared_prefix_len(inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    "Leading positions that every row of inputs (B, T) has in common and none trains on; at most T - 1."
-    B, T = inputs.shape
-    if B < 2 or T < 2:
-        return 0
-    stop = ((inputs != inputs[:1]).any(0) | (targets != -1).any(0)).nonzero()  # positions where sharing ends
-    return min(int(stop[0]) if len(stop) else T, T - 1)
-
-def shared_prefix_cache(model, inputs: torch.Tensor, prefix_len: int) -> GraphKVCache:
-    "A cache holding the first prefix_len tokens of inputs (B, T), run once at batch 1, shared by all B rows."
-    cache = GraphKVCache(model.config.n_layer, model.rotary_len, inputs.device)
-    if prefix_len:
-        cache.prefix_out = model.hidden(inputs[:1, :prefix_len], kv_cache=cache)
-    return cache.expand(inputs.shape[0])
-
-def shared_token_logp(model, inputs: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
-                      entropy_grad: bool = False, sampler=None):
-    "`token_logp` (B, T) with the rows' shared prompt run once; the plain path where nothing can be shared."
-    P = shared_prefix_len(inputs, targets)
-    if not P:
-        return token_logp(model, inputs, targets, with_entropy, entropy_grad, sampler)
-    cache = shared_prefix_cache(model, inputs, P)
-    logp, entropy = token_logp(model, inputs[:, P:], targets[:, P:], True, entropy_grad, sampler,
-                               kv_cache=cache)                                  # (B, T - P) each
-    logp, entropy = (F.pad(x, (P, 0)) for x in (logp, entropy))                # (B, T) each
-    logp = logp + 0 * cache.prefix_out.sum()           # the prefix call in the loss: FSDP2 regathers for its backward
     return (logp, entropy) if with_entropy else logp
 
 # %% ../nbs/11_loss.ipynb #86c058da

@@ -14,7 +14,8 @@ from .model import Sampler
 from .rewards import checked_reward
 from .advantages import compute_advantages, zero_signal_groups
 from .rollout import Rollout, Sampling, collate, collate_logprobs, microbatches, rollout, trained_rows
-from .loss import count_trained, importance_weights, loss_normalizer, pg_loss, shared_token_logp, token_sum
+from .loss import count_trained, importance_weights, loss_normalizer, pg_loss, token_sum
+from .prefix import shared_token_logp
 from .scale import densify_grads, full_tensor, is_sharded, reduce_max, reduce_sums, sync_gradients
 
 # %% auto #0

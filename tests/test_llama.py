@@ -394,7 +394,7 @@ def test_shared_prompt_pass_equals_plain(tmp_path, model_type):
     "The speed room's shared-prompt pass (the prompt once, in a GraphKVCache) gives the plain path's values and grads."
     from nanorl.checkpoint import load_model
     from nanorl.loss import token_logp
-    from nanorl.loss import shared_prefix_len, shared_token_logp
+    from nanorl.prefix import shared_prefix_len, shared_token_logp
 
     save_tiny_hf_model(model_type, tmp_path)
     model, tok, _ = load_model(tmp_path, "cpu")

@@ -20,7 +20,8 @@ from harness import ROOT, TORCHRUN, run_checked
 from doubles import FIXTURES, demo_sft, load_fixture_model, nanochat_tokenizer, save_tiny_hf_model, small_run
 from nanorl.engine import Engine
 from nanorl.speedups import packed_weights, use_fast_paths
-from nanorl.loss import pg_loss, shared_token_logp, token_logp, token_sum
+from nanorl.loss import pg_loss, token_logp, token_sum
+from nanorl.prefix import shared_token_logp
 from nanorl.model import Sampler
 from nanorl.rollout import Rollout, Sampling, collate, collate_logprobs, rollout, sample_seeds, trained_rows
 from nanorl.tasks import Arithmetic
