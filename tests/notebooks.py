@@ -21,7 +21,6 @@ from fastcore.parallel import parallel
 from nbdev.config import get_config
 from nbdev.process import NBProcessor
 from nbdev.frontmatter import FrontmatterProc
-from nbdev.test import _keep_file
 from nbdev.doclinks import nbglob
 
 VARIES = "# output: varies"    # a cell's printed words depend on sampled text or on the clock: its shape is not checked
@@ -128,7 +127,7 @@ def main(argv=None):
     cfg = get_config()
     sys.path.insert(0, str(Path(__file__).parent))
     from notebooks import run_notebook as run    # by module name, so that worker processes can unpickle it
-    files = [f.absolute() for f in sorted(nbglob(args.path, as_path=True)) if _keep_file(f, ".notest")]
+    files = [f.absolute() for f in sorted(nbglob(args.path, as_path=True)) if not (f.parent / ".notest").exists()]
     results = parallel(run, files, skip_flags=cfg.tst_flags.split(), force_flags=args.flags.split(),
                        basepath=cfg.config_path, save=args.save, n_workers=min(args.n_workers, len(files)), pause=0.01)
     failed = [f.name for f, (ok, _, _) in zip(files, results) if not ok]
