@@ -66,11 +66,6 @@ def stale_cells(saved_cells, ran_cells) -> dict[int, str]:
     return stale
 
 
-def stale_outputs(saved_cells, ran_cells) -> list[str]:
-    "One line per code cell whose fresh text no longer has its saved output's shape (cells that did not run: skipped)."
-    return list(stale_cells(saved_cells, ran_cells).values())
-
-
 def save_fresh(fn, fresh: dict):
     "Write the fresh outputs {cell index: outputs} into notebook `fn`, every other cell as it was."
     nb = json.loads(Path(fn).read_text())

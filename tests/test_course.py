@@ -221,17 +221,17 @@ def test_printed_source_is_the_library_source():
 
 def test_stale_output_checker_tells_shapes_apart():
     "A cell whose printed words or lines changed is stale; new digits alone are not; `# output: varies` is skipped."
-    from notebooks import VARIES, stale_outputs
+    from notebooks import VARIES, stale_cells
 
     def cell(text, source="print(x)"):
         return {"cell_type": "code", "source": source, "outputs": [{"output_type": "stream", "name": "stdout",
                                                                      "text": text}], "_ran": True}
     saved = [cell("step 1 loss 0.512 in 3.2 s\nmean reward +0.25\n")]
-    assert not stale_outputs(saved, [cell("step 1 loss -0.6 in 12.25 s\nmean reward 1e-05\n")])
-    assert stale_outputs(saved, [cell("step 1 loss 0.512\nmean reward +0.25\n")])        # a timing no longer printed
-    assert stale_outputs(saved, [cell("step 1 loss 0.512 in 3.2 s\n")])                   # a line fewer
-    assert stale_outputs(saved, [cell("step 1 loss 0.512 stop 0.9 in 3.2 s\nmean reward +0.25\n")])   # a new column
+    assert not stale_cells(saved, [cell("step 1 loss -0.6 in 12.25 s\nmean reward 1e-05\n")])
+    assert stale_cells(saved, [cell("step 1 loss 0.512\nmean reward +0.25\n")])        # a timing no longer printed
+    assert stale_cells(saved, [cell("step 1 loss 0.512 in 3.2 s\n")])                   # a line fewer
+    assert stale_cells(saved, [cell("step 1 loss 0.512 stop 0.9 in 3.2 s\nmean reward +0.25\n")])   # a new column
     varies = [cell("answer: 12*8 = 96\n", source=f"print(answer)  {VARIES}")]
-    assert not stale_outputs(varies, [cell("answer: 12+8 is twenty\n")])
+    assert not stale_cells(varies, [cell("answer: 12+8 is twenty\n")])
     not_run = [{**cell("anything"), "_ran": False}]
-    assert not stale_outputs(saved, not_run)
+    assert not stale_cells(saved, not_run)

@@ -106,9 +106,9 @@ def test_onednn_training_falls_back_when_the_private_ops_refuse(monkeypatch):
     torch.manual_seed(0)
     W, b = torch.randn(64, 256, requires_grad=True), torch.randn(64, requires_grad=True)
     x = torch.randn(3, 5, 256, requires_grad=True)
-    F_out = torch.nn.functional.linear(x, W, b)
-    F_out.pow(2).sum().backward()
-    want = [F_out.detach()] + [t.grad.clone() for t in (x, W, b)]
+    plain = torch.nn.functional.linear(x, W, b)
+    plain.pow(2).sum().backward()
+    want = [plain.detach()] + [t.grad.clone() for t in (x, W, b)]
     for t in (x, W, b):
         t.grad = None
 
@@ -125,7 +125,7 @@ def test_onednn_training_falls_back_when_the_private_ops_refuse(monkeypatch):
     assert not pack.onednn and pack.packed is None     # F.linear from now on
     with torch.no_grad():
         again = speedups.PackedLinear(W, b)
-        assert (again(x) - F_out.detach()).abs().max() <= 1e-5 * F_out.abs().max()
+        assert (again(x) - plain.detach()).abs().max() <= 1e-5 * plain.abs().max()
 
 
 @pytest.mark.skipif(not speedups.ONEDNN_LINEAR, reason="this torch build has no oneDNN linear ops")
