@@ -68,6 +68,7 @@ import torch  # noqa: E402
 
 from engine import BenchTokenizer, prompt_ids  # noqa: E402  the engine benchmark's tokenizer and prompts
 from nanochat_peer import cpu_label  # noqa: E402  the CPU kind, as every benchmark here prints it
+from nanorl.capture import CapturedDecoder, masked_decoder  # noqa: E402
 from nanorl.checkpoint import save_checkpoint  # noqa: E402
 from nanorl.engine import Engine, stop_token_ids  # noqa: E402
 from nanorl.llama import DecoderConfig, Llama, load_llama  # noqa: E402
@@ -283,14 +284,22 @@ def trainer_gaps(model, batch, pad, dtype, rows_per_pass=8):
     return torch.cat(out)
 
 
-def logp_gaps(ctx, model, tok, dtype):
+def engine_for(model, tok, captured=False):
+    "nanorl's Engine on `model`; `captured`: its decode steps replayed from CUDA graphs (masked, unrecorded, on a CPU)."
+    engine = Engine(model, tok)
+    if captured:
+        engine.decoder = CapturedDecoder if model.get_device().type == "cuda" else masked_decoder
+    return engine
+
+
+def logp_gaps(ctx, model, tok, dtype, captured=False):
     "Engine against trainer log-probs of the engine's samples (rollout and trainer both under `dtype`'s autocast)."
     n, samples, new = ctx.size["rollout"]
     V, idx = model.config.vocab_size, list(range(n))
     task = [prompt_ids(12 + 5 * i, V, i) for i in idx]
     sampling = Sampling(num_samples=samples, max_new_tokens=new, **SAMPLER)
     with autocast_for(ctx.device, dtype):
-        batch = rollout(Engine(model, tok), tok, task, idx, sampling, sample_seeds(0, 0, idx), 256)
+        batch = rollout(engine_for(model, tok, captured), tok, task, idx, sampling, sample_seeds(0, 0, idx), 256)
     gap = trainer_gaps(model, batch, tok.encode_special("<|assistant_end|>"), dtype)
     out = (gap < math.log(0.9)) | (gap > math.log(1.1))
     return {"tokens": gap.numel(), "gap_max": gap.abs().max().item(), "gap_mean": gap.abs().mean().item(),
@@ -332,8 +341,11 @@ def greedy_check(model, tok, new_tokens):
     prompts = [prompt_ids(n, V, 100 + n) for n in (20, 33, 47)]
     ref = [argmax_loop(model, p, new_tokens, stop_token_ids(tok)) for p in prompts]
     out = {"tokens": sum(len(r) - len(p) for r, p in zip(ref, prompts))}
-    for name, kw in {"temperature_0": dict(temperature=0.0), "top_k_1": dict(temperature=1.0, top_k=1)}.items():
-        seqs, _ = Engine(model, tok).generate_many(prompts, 1, new_tokens, seed=0, **kw).without_stops()   # as the loop
+    runs = {"temperature_0": (dict(temperature=0.0), False), "top_k_1": (dict(temperature=1.0, top_k=1), False),
+            "captured_temperature_0": (dict(temperature=0.0), True)}
+    for name, (kw, captured) in runs.items():
+        engine = engine_for(model, tok, captured)
+        seqs, _ = engine.generate_many(prompts, 1, new_tokens, seed=0, **kw).without_stops()   # as the loop
         out[name] = seqs == ref
     return out
 
@@ -342,13 +354,18 @@ def correctness(ctx, model):
     "The three checks on one model; `error` names the checks that missed their limits."
     tok = IdsTokenizer(model.config.vocab_size)
     res = {"float32": logp_gaps(ctx, model, tok, torch.float32), "bfloat16": logp_gaps(ctx, model, tok, torch.bfloat16),
+           "captured_float32": logp_gaps(ctx, model, tok, torch.float32, captured=True),
+           "captured_bfloat16": logp_gaps(ctx, model, tok, torch.bfloat16, captured=True),
            "kv_cache": kv_cache_gap(model), "greedy": greedy_check(model, tok, ctx.size["greedy_tokens"]),
            "limits": {"float32_gap": F32_GAP_LIMIT, "kv_cache": KV_GAP_LIMIT}}
     f32, bf, kv, gr = res["float32"], res["bfloat16"], res["kv_cache"], res["greedy"]
+    cf32, cbf = res["captured_float32"], res["captured_bfloat16"]
     missed = [name for name, bad in [("float32 gap", f32["gap_max"] > F32_GAP_LIMIT),
+                                     ("captured float32 gap", cf32["gap_max"] > F32_GAP_LIMIT),
                                      ("kv cache", kv["max_abs"] > KV_GAP_LIMIT),
                                      ("greedy temperature 0", not gr["temperature_0"]),
-                                     ("greedy top-k 1", not gr["top_k_1"])] if bad]
+                                     ("greedy top-k 1", not gr["top_k_1"]),
+                                     ("captured greedy", not gr["captured_temperature_0"])] if bad]
     res["error"] = f"check failed: {', '.join(missed)}" if missed else None
     res["figures"] = {
         "float32 engine vs trainer logp, max abs gap": f"{f32['gap_max']:.1e} ({f32['tokens']} tokens)",
@@ -356,6 +373,8 @@ def correctness(ctx, model):
         "bf16 share of ratios outside [0.9, 1.1]": f"{bf['outside_0.9_1.1']:.2%}",
         "float32 KV cache vs none, max abs logit gap": f"{kv['max_abs']:.1e} (largest logit {kv['logit_max']:.1f})",
         "greedy = argmax loop (T 0 / top-k 1)": f"{gr['temperature_0']} / {gr['top_k_1']} ({gr['tokens']} tokens)",
+        "captured decoding: float32 / bf16 logp max gap, bf16 outside [0.9, 1.1], greedy = argmax loop":
+            f"{cf32['gap_max']:.1e} / {cbf['gap_max']:.1e}, {cbf['outside_0.9_1.1']:.2%}, {gr['captured_temperature_0']}",
     }
     return res
 
@@ -382,26 +401,28 @@ def decode_bound(rows, prompt, new_tokens, weight_bytes, kv_token_bytes, bandwid
 
 
 def decode_section(ctx, family):
-    "Engine decode tokens/s of one family's speed model at each row count, against the memory-bandwidth bound."
+    "Engine decode tokens/s of one family's speed model at each row count, plain and captured, against the bound."
     model, tok = speed_model(ctx, family)
     S, itemsize = ctx.size, torch.empty(0, dtype=ctx.dtype).element_size()
     W, kv = matmul_params(model) * itemsize, kv_bytes_per_token(model, ctx.dtype)
     prompt, new = prompt_ids(S["prompt"], model.config.vocab_size, 0), S["new_tokens"]
-    eng, res = Engine(model, tok), {"params": model.num_params(), "matmul_params": matmul_params(model),
-                                    "weight_bytes": W, "kv_bytes_per_token": kv, "prompt": len(prompt),
-                                    "new_tokens": new, "dtype": str(ctx.dtype)[6:], "rows": {}, "figures": {}}
+    res = {"params": model.num_params(), "matmul_params": matmul_params(model), "weight_bytes": W,
+           "kv_bytes_per_token": kv, "prompt": len(prompt), "new_tokens": new, "dtype": str(ctx.dtype)[6:],
+           "rows": {}, "captured": {}, "figures": {}}
     with autocast_for(ctx.device, ctx.dtype):
         for rows in S["rows"]:
-            made = []                                                # each call's Completions, for its counters
-            t, times = median_time(lambda: made.append(eng.generate_many([prompt], rows, new, seed=0,
-                                                                         min_new_tokens=new, **SAMPLER)),
-                                   ctx.device, S["repeats"])
-            tokens = made[-1].stats["generated_tokens"]
             bound = decode_bound(rows, len(prompt), new, W, kv, ctx.bandwidth) if ctx.bandwidth else None
-            r = res["rows"][str(rows)] = {"tok_s": tokens / t, "tokens": tokens, "seconds": times,
-                                          "bound_tok_s": bound, "of_bound": bound and tokens / t / bound}
-            tail = f" ({r['of_bound']:.1%} of the bound {bound:,.0f})" if bound else " (no bound: no device section)"
-            res["figures"][f"{rows} row{'s' * (rows > 1)}, tok/s"] = f"{r['tok_s']:,.0f}{tail}"
+            for kind, captured in (("rows", False), ("captured", True)):
+                eng, made = engine_for(model, tok, captured), []     # each call's Completions, for its counters
+                t, times = median_time(lambda: made.append(eng.generate_many([prompt], rows, new, seed=0,
+                                                                             min_new_tokens=new, **SAMPLER)),
+                                       ctx.device, S["repeats"])
+                tokens = made[-1].stats["generated_tokens"]
+                r = res[kind][str(rows)] = {"tok_s": tokens / t, "tokens": tokens, "seconds": times,
+                                            "bound_tok_s": bound, "of_bound": bound and tokens / t / bound}
+                tail = f" ({r['of_bound']:.1%} of the bound {bound:,.0f})" if bound else " (no bound: no device section)"
+                name = f"{rows} row{'s' * (rows > 1)}{', captured' * captured}, tok/s"
+                res["figures"][name] = f"{r['tok_s']:,.0f}{tail}"
     return res
 
 

@@ -93,6 +93,8 @@ class Config:
     dist_timeout_min: float = _flag(60.0, "minutes a rank waits in a collective (e.g. for a checkpoint) before failing")
     cpu_fast_paths: bool = _flag(True, "on a CPU, packed weights and the fused loss of `13_speedups` (the same numbers "
                                        "to rounding, faster); --no-cpu-fast-paths: the plain paths")
+    cuda_graphs: bool = _flag(True, "on a GPU, each decode step replayed from a CUDA graph (`13a_capture`: the same "
+                                    "numbers to rounding, faster); --no-cuda-graphs: launched op by op")
 
     def output_root(self) -> Path:
         "Where chatrl_checkpoints/ is written: --output-dir, else the nanochat base directory."
@@ -262,11 +264,12 @@ FLAG_GROUPS = {   # every field, by what it is about; --help lists them in this 
              "entropy_coef", "is_correction", "is_cap"),
     "run": ("run", "preset", "output_dir", "resume", "allow_changes", "save_every", "max_bad_steps", "wandb_project"),
     "evaluation": ("eval_every", "eval_examples", "eval_samples", "eval_max_new_tokens"),
-    "scale": ("device_type", "device_batch_size", "fsdp", "dist_timeout_min", "cpu_fast_paths"),
+    "scale": ("device_type", "device_batch_size", "fsdp", "dist_timeout_min", "cpu_fast_paths",
+              "cuda_graphs"),
 }
 ADVANCED = ("preset", "source", "skip_zero_signal", "kl_coef", "entropy_coef", "lr_schedule", "warmup_steps",
             "eval_samples", "eval_max_new_tokens", "rollout_rows", "max_bad_steps", "wandb_project", "is_correction",
-            "is_cap", "dist_timeout_min", "cpu_fast_paths")   # accepted always, listed by --help-all
+            "is_cap", "dist_timeout_min", "cpu_fast_paths", "cuda_graphs")   # accepted always, listed by --help-all
 
 def config_help(name: str, default=dataclasses.MISSING) -> str:
     "A field's help with `default` (None given: the field's own, unless its help says it) as its default."

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['M32', 'GREEDY_CANDIDATES', 'NOISE_CHUNK_ELEMENTS', 'DEFAULT_MAX_NEW_TOKENS', 'mix32', 'row_key', 'step_key',
            'gumbel_noise', 'seeds_per_prompt', 'stop_token_ids', 'RowState', 'context_limit', 'Engine', 'softcap',
-           'check_generation', 'new_stats', 'Completions']
+           'check_generation', 'new_stats', 'Completions', 'plain_decoder']
 
 # %% ../nbs/06_engine.ipynb #301f3865
 import numbers, operator
@@ -107,6 +107,7 @@ GREEDY_CANDIDATES = 8  # top raw logits re-checked after the softcap, so ties re
 class Engine:
     "Batched sampling with a KV cache and nanochat's calculator tool."
     compact_fraction = 0.25  # retire finished rows from the batch once this fraction of it has finished
+    decoder = None           # None: `plain_decoder`; `13a_capture`'s `CapturedDecoder` replays a CUDA graph a step
 
     def __init__(self, model, tokenizer, nanochat_format=False, gather=nullcontext):
         self.model, self.tokenizer, self.nanochat_format = model, tokenizer, nanochat_format
@@ -326,6 +327,10 @@ def advance_rows(self: Engine, rows, states, col, masks, busy, retire, stats):
 
 
 # %% ../nbs/06_engine.ipynb #cc21dab3
+def plain_decoder(model, cache):
+    "A decode step as the model's own forward through `cache`: token ids x (b,) -> last hidden states (b, d)."
+    return lambda x: model.hidden(x.view(-1, 1), kv_cache=cache)[:, -1]
+
 @patch
 def decode_steps(self: Engine, prompts, num_samples, max_tokens, sampler, min_new_tokens, seeds, retire, gen):
     "`decode_loop`, inside the block the model's fast paths open for a call when switched on (`13_speedups`)."
@@ -343,6 +348,7 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
         return
     cache = _new_cache(model, n_rows, max(len(p) for p in prompts) + max_tokens)
     h = self.prefill(prompts, num_samples, cache, stats)                                 # (B, d)
+    decode = (self.decoder or plain_decoder)(model, cache)                               # x (b,) -> h (b, d)
     keys = torch.tensor([row_key(s, j) for s in seeds for j in range(num_samples)], dtype=torch.long, device=device)
     states = [RowState() for _ in range(n_rows)]
     rows = list(range(n_rows))               # original row of each batch row (-1: finished and retired)
@@ -369,8 +375,8 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
             keys, x, rows = keys[index], x[index], [rows[i] for i in keep]
             stats["rows_retired"] += n_dead
             stats["compactions"] += 1
-            n_dead = 0
-        h = model.hidden(x.view(-1, 1), kv_cache=cache)[:, -1]                          # (b, d)
+            n_dead, decode = 0, (self.decoder or plain_decoder)(model, cache)           # the cache's rows changed
+        h = decode(x)                                                                   # (b, d)
         stats["decode_steps"] += 1
         stats["forward_rows"] += len(rows)
     stats["generated_tokens"] = stats["sampled_tokens"] + stats["forced_tokens"]

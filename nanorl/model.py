@@ -214,6 +214,7 @@ class Block(nn.Module):
 # %% ../nbs/02_model.ipynb #a694067c
 class KVCache:
     "Per-layer keys/values (L, B, T_max, H_kv, D) with a separate position for every row."
+    captured = False  # True: attend over all T_max slots, masked, with no host sync (`13a_capture`'s replayed step)
     def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device=None, dtype=torch.float32):
         shape = (num_layers, batch_size, seq_len, num_heads, head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
@@ -236,7 +237,11 @@ class KVCache:
         return kc[:, :ctx["k_len"]], vc[:, :ctx["k_len"]]
     def remember_last(self, x):
         "Keep the last position of x (B, T, d) for the next forward's smear; decoding needs no gradient through it."
-        self.prev_embedding = x[:, -1:].detach().clone()
+        last = x[:, -1:].detach()
+        if self.prev_embedding is not None and self.prev_embedding.shape == last.shape:
+            self.prev_embedding.copy_(last)                 # in place: a replayed step reads it where it was written
+        else:
+            self.prev_embedding = last.clone()
     def prefill_rows(self, other, rows):
         "Copy batch-1 cache `other` (keys, values, position, smear state) into each of `rows`."
         if other.batch_size != 1:
@@ -351,14 +356,17 @@ def _cache_context(self: GPT, idx, kv_cache):
         raise ValueError(f"kv_cache has {kv_cache.batch_size} rows, input has {B}")
     start = kv_cache.cache_seqlens                                              # (B,)
     positions = start[:, None] + torch.arange(T, device=idx.device)            # (B, T)
+    rows = torch.arange(B, device=idx.device)[:, None]                          # (B, 1)
+    if getattr(kv_cache, "captured", False):    # every slot, masked: no host sync, the shapes of every step alike
+        ctx = dict(positions=positions, rows=rows, k_len=kv_cache.max_seq_len, uniform=False, fresh=False)
+        return ctx, self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
     k_len = int(start.max()) + T
     if k_len > kv_cache.max_seq_len:
         raise ValueError(f"kv_cache holds {kv_cache.max_seq_len} tokens per row, needs {k_len}")
     if k_len > self.rotary_len:
         raise ValueError(f"positions up to {k_len} exceed the rotary table ({self.rotary_len})")
     uniform = bool((start == start[0]).all())
-    ctx = dict(positions=positions, rows=torch.arange(B, device=idx.device)[:, None], k_len=k_len,
-               uniform=uniform, fresh=uniform and k_len == T)
+    ctx = dict(positions=positions, rows=rows, k_len=k_len, uniform=uniform, fresh=uniform and k_len == T)
     return ctx, self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, D/2)
 
 def _smear(self: GPT, x, kv_cache):

@@ -20,6 +20,7 @@ from .engine import context_limit
 from .tasks import read_jsonl
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
+from .capture import use_captured_decoding
 from .llama import machine_memory
 from .scale import (PhasePeaks, autocast_for, check_ranks_agree, full_model_state,
                           full_optim_state, is_sharded, process_group, reduce_max, reduce_sums, shard_model,
@@ -129,6 +130,7 @@ class Trainer:
         longest = max(cfg.max_new_tokens, evaluation.max_new_tokens)           # vLLM sizes its KV cache for it
         self.engine = rollout_engine(self.model, self.tokenizer, device, vllm_folder, cfg.rollout_rows, longest,
                                      self.dtype, cfg.seed)                             # `15_vllm_engine`
+        use_captured_decoding(self.engine, device, cfg.cuda_graphs, cfg.fsdp)             # on a GPU: `13a_capture`
         limit = getattr(self.engine, "max_model_len", None) or context_limit(self.model)
         for task, flag, tokens in ((self.train_task, "--max-new-tokens", cfg.max_new_tokens),
                                    (self.val_task, "--eval-max-new-tokens", evaluation.max_new_tokens)):

@@ -33,8 +33,10 @@ def test_dry_run_runs_every_section(tmp_path):
         assert c["bfloat16"]["tokens"] > 0 and 0 <= c["bfloat16"]["outside_0.9_1.1"] <= 1
         assert c["kv_cache"]["max_abs"] < FLOAT32_TOL
         assert c["greedy"]["temperature_0"] and c["greedy"]["top_k_1"] and c["greedy"]["tokens"] > 0
-        decode = sections[f"decode_{family}"]["rows"]
-        assert set(decode) == {"1", "4"} and all(r["tok_s"] > 0 for r in decode.values())
+        assert c["captured_float32"]["gap_max"] < FLOAT32_TOL and c["greedy"]["captured_temperature_0"]
+        for kind in ("rows", "captured"):                 # the masked step stands in for the recorded one on a CPU
+            decode = sections[f"decode_{family}"][kind]
+            assert set(decode) == {"1", "4"} and all(r["tok_s"] > 0 for r in decode.values())
         assert sections[f"train_{family}"]["tok_s"] > 0 and sections[f"train_{family}"]["mfu"] > 0
     for name in ("torchrun_ddp", "torchrun_fsdp"):
         run = sections[name]
@@ -47,3 +49,18 @@ def test_dry_run_runs_every_section(tmp_path):
     for name in SECTIONS:
         assert f"| {name} | status" in p.stdout
     assert report["device"] in p.stdout
+
+
+def test_decode_steps_dry_run(tmp_path):
+    "bench/decode_steps.py times each part of a decode step, plain and masked, on the CPU at tiny shapes."
+    out = tmp_path / "decode_steps.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_steps.py"), "--dry-run", "--rows", "1", "3",
+                        "--steps", "3", "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, f"bench/decode_steps.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and set(report["ms"]) == {"1", "3"}
+    parts = {"head (unembed)", "sampler (pick_tokens)", "picks to the host (tolist)", "hidden states, plain",
+             "whole step, plain", "hidden states, captured", "whole step, captured"}
+    assert all(set(ms) == parts and all(v > 0 for v in ms.values()) for ms in report["ms"].values())
