@@ -46,11 +46,11 @@ def per_step_ms(fn, device, steps):
 
 
 @torch.no_grad()
-def parts(model, tok, rows, prompt_len, steps, device):
-    "{part: ms a step} at `rows` rows: each part alone, then whole steps, plain and captured."
+def parts(model, tok, rows, prompt_len, steps, device, room=0):
+    "{part: ms a step} at `rows` rows, `room` more slots in the cache: each part alone, whole steps plain and captured."
     engine, sampler = Engine(model, tok), Sampler(1.0, 50)
     prompt = prompt_ids(prompt_len, model.config.vocab_size, 0)
-    cache = _new_cache(model, rows, prompt_len + 4 * steps + 8)       # room for every timed step's token
+    cache = _new_cache(model, rows, prompt_len + 4 * steps + 8 + room)  # every timed step's token, and `room`
     h = engine.prefill([prompt], rows, cache, new_stats(1, rows))        # (rows, d)
     keys = torch.tensor([row_key(0, j) for j in range(rows)], dtype=torch.long, device=device)
     x = torch.zeros(rows, dtype=torch.long, device=device)
@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--steps", type=int, default=50, help="timed calls of each part")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens in the cache")
+    ap.add_argument("--room", type=int, default=0, help="cache slots beyond the timed steps (a long max_new_tokens)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, a check that it runs")
     here = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench"
     ap.add_argument("--out", type=Path, default=here / "decode_steps.json")
@@ -93,11 +94,12 @@ def main():
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {label}{torch_tag} | ms a step", flush=True)
     with autocast_for(device, torch.bfloat16):
         for rows in args.rows:
-            report[rows] = parts(model, tok, rows, args.prompt, args.steps, device)
+            report[rows] = parts(model, tok, rows, args.prompt, args.steps, device, args.room)
             print(f"{rows:>4} rows: " + ", ".join(f"{k} {v:.2f}" for k, v in report[rows].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": label, "torch": torch.__version__, "dry_run": args.dry_run,
-                                    "prompt": args.prompt, "steps": args.steps, "ms": report}, indent=1))
+                                    "prompt": args.prompt, "steps": args.steps, "room": args.room, "ms": report},
+                                   indent=1))
     print(f"wrote {args.out}")
 
 

@@ -374,7 +374,8 @@ def correctness(ctx, model):
         "float32 KV cache vs none, max abs logit gap": f"{kv['max_abs']:.1e} (largest logit {kv['logit_max']:.1f})",
         "greedy = argmax loop (T 0 / top-k 1)": f"{gr['temperature_0']} / {gr['top_k_1']} ({gr['tokens']} tokens)",
         "captured decoding: float32 / bf16 logp max gap, bf16 outside [0.9, 1.1], greedy = argmax loop":
-            f"{cf32['gap_max']:.1e} / {cbf['gap_max']:.1e}, {cbf['outside_0.9_1.1']:.2%}, {gr['captured_temperature_0']}",
+            f"{cf32['gap_max']:.1e} / {cbf['gap_max']:.1e}, {cbf['outside_0.9_1.1']:.2%}, "
+            f"{gr['captured_temperature_0']}",
     }
     return res
 
@@ -420,7 +421,8 @@ def decode_section(ctx, family):
                 tokens = made[-1].stats["generated_tokens"]
                 r = res[kind][str(rows)] = {"tok_s": tokens / t, "tokens": tokens, "seconds": times,
                                             "bound_tok_s": bound, "of_bound": bound and tokens / t / bound}
-                tail = f" ({r['of_bound']:.1%} of the bound {bound:,.0f})" if bound else " (no bound: no device section)"
+                tail = (f" ({r['of_bound']:.1%} of the bound {bound:,.0f})" if bound
+                        else " (no bound: no device section)")
                 name = f"{rows} row{'s' * (rows > 1)}{', captured' * captured}, tok/s"
                 res["figures"][name] = f"{r['tok_s']:,.0f}{tail}"
     return res

@@ -13,7 +13,7 @@ __all__ = ['masked_decoder', 'casts_uncached', 'warm_up', 'CapturedDecoder', 'us
 
 # %% ../nbs/13a_capture.ipynb #6d82c224
 def masked_decoder(model, cache):
-    "`plain_decoder` over every slot of `cache`, masked by each row's position: fixed shapes, no host sync."
+    "`plain_decoder` with `cache` switched to its captured mode: every slot, masked by position; no host sync."
     cache.captured = True
     return plain_decoder(model, cache)
 
@@ -51,7 +51,7 @@ class CapturedDecoder:
         if cache.max_seq_len > model.rotary_len:
             raise ValueError(f"a captured step attends over all {cache.max_seq_len} slots of the cache, past the "
                              f"model's rotary table ({model.rotary_len} positions)")
-        step = masked_decoder(model, cache)
+        step, self.room = masked_decoder(model, cache), cache.max_seq_len - int(cache.cache_seqlens.max())
         self.x = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.k_cache.device)  # (b,) token ids in
         with casts_uncached():
             warm_up(step, self.x, cache)
@@ -61,6 +61,9 @@ class CapturedDecoder:
 
     def __call__(self, x):
         "Last hidden states (b, d) after token ids x (b,): the recorded step replayed on them."
+        if self.room == 0:                            # a replay checks nothing: past the cache's end it writes astray
+            raise ValueError("the KV cache is full: no slot left for another replayed step")
+        self.room -= 1
         self.x.copy_(x)
         self.graph.replay()
         return self.h

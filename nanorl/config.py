@@ -94,7 +94,7 @@ class Config:
     cpu_fast_paths: bool = _flag(True, "on a CPU, packed weights and the fused loss of `13_speedups` (the same numbers "
                                        "to rounding, faster); --no-cpu-fast-paths: the plain paths")
     cuda_graphs: bool = _flag(True, "on a GPU, each decode step replayed from a CUDA graph (`13a_capture`: the same "
-                                    "numbers to rounding, faster); --no-cuda-graphs: launched op by op")
+                                    "numbers to rounding, faster; not with --fsdp); --no-cuda-graphs: op by op")
 
     def output_root(self) -> Path:
         "Where chatrl_checkpoints/ is written: --output-dir, else the nanochat base directory."

@@ -348,7 +348,7 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
         return
     cache = _new_cache(model, n_rows, max(len(p) for p in prompts) + max_tokens)
     h = self.prefill(prompts, num_samples, cache, stats)                                 # (B, d)
-    decode = (self.decoder or plain_decoder)(model, cache)                               # x (b,) -> h (b, d)
+    decode = None            # x (b,) -> h (b, d), built at the first step and after each compaction
     keys = torch.tensor([row_key(s, j) for s in seeds for j in range(num_samples)], dtype=torch.long, device=device)
     states = [RowState() for _ in range(n_rows)]
     rows = list(range(n_rows))               # original row of each batch row (-1: finished and retired)
@@ -375,7 +375,8 @@ def decode_loop(self: Engine, prompts, num_samples, max_tokens, sampler, min_new
             keys, x, rows = keys[index], x[index], [rows[i] for i in keep]
             stats["rows_retired"] += n_dead
             stats["compactions"] += 1
-            n_dead, decode = 0, (self.decoder or plain_decoder)(model, cache)           # the cache's rows changed
+            n_dead, decode = 0, None                                                    # the cache's rows changed
+        decode = decode or (self.decoder or plain_decoder)(model, cache)
         h = decode(x)                                                                   # (b, d)
         stats["decode_steps"] += 1
         stats["forward_rows"] += len(rows)

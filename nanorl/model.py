@@ -359,7 +359,7 @@ def _cache_context(self: GPT, idx, kv_cache):
     rows = torch.arange(B, device=idx.device)[:, None]                          # (B, 1)
     if getattr(kv_cache, "captured", False):    # every slot, masked: no host sync, the shapes of every step alike
         ctx = dict(positions=positions, rows=rows, k_len=kv_cache.max_seq_len, uniform=False, fresh=False)
-        return ctx, self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+        return ctx, self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, D/2)
     k_len = int(start.max()) + T
     if k_len > kv_cache.max_seq_len:
         raise ValueError(f"kv_cache holds {kv_cache.max_seq_len} tokens per row, needs {k_len}")
