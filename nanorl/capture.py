@@ -20,7 +20,7 @@ def masked_decoder(model, cache):
 # %% ../nbs/13a_capture.ipynb #0bd34f0f
 @contextmanager
 def casts_uncached():
-    "A block in which autocast casts weights afresh each time: a recorded cast reads the weights of its replay."
+    "A block in which autocast casts weights afresh: a recorded cast owns its output, no cache entry freed later."
     before = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
