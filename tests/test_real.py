@@ -77,3 +77,17 @@ def test_multi_step_task_has_two_or_three_steps_and_room_to_write_them():
     with pytest.raises(SystemExit):
         real_parser().parse_args(["--problems", "gsm9k"])
     assert real_parser().parse_args(["--problems", "multi-step"]).problems == "multi-step"
+
+
+def test_study_flags_reach_the_config():
+    "The GSM8K study's knobs (group size, temperature, skipped groups, evaluation cadence) are flags of the real run."
+    from nanorl.real import real_parser
+
+    names = ("num_samples", "examples_per_step", "temperature", "skip_zero_signal", "eval_every")
+    args = real_parser().parse_args(["--problems", "gsm8k", "--num-samples", "16", "--examples-per-step", "2",
+                                     "--temperature", "1.0", "--skip-zero-signal", "--eval-every", "5"])
+    cfg = real_config("m", task="gsm8k", **{k: getattr(args, k) for k in names})
+    assert tuple(getattr(cfg, k) for k in names) == (16, 2, 1.0, True, 5)
+    left_out = real_parser().parse_args([])
+    assert all(getattr(left_out, k) is None for k in names)               # left out: the recipe's values stand
+    assert real_config("m", task="gsm8k").temperature == 0.7 and not real_config("m", task="gsm8k").skip_zero_signal
