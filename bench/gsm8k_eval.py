@@ -1,7 +1,8 @@
 """GSM8K test, held out: a model's pass@k with the real run's instruction and last-number rule, by nanorl's evaluator.
 
     python bench/gsm8k_eval.py [--model DIR ...] [--label NAME ...] [--examples 128] [--samples 4]
-                               [--max-new-tokens 256] [--dtype float32] [--threads 2] [--out bench/gsm8k_eval.jsonl]
+                               [--max-new-tokens 256] [--dtype float32] [--prompts-per-batch 16] [--threads 2]
+                               [--out bench/gsm8k_eval.jsonl]
     python bench/gsm8k_eval.py --compare BEFORE_LABEL AFTER_LABEL [--out bench/gsm8k_eval.jsonl]
 
 Each `--model` is a Hugging Face folder (default: SmolLM2-135M-Instruct's, see `bench/smollm2.py`) or a run directory
@@ -9,7 +10,8 @@ that `nanorl.checkpoint.load_model` reads (its newest step). The problems are th
 split in nanorl's shuffled order (`GSM8K(split="test")`, read from `--data-dir`, default ../shared/data/gsm8k), asked
 as `18_real` asks its word problems (`FinalNumber`: the question plus " Give the final answer as a number at the end.")
 and scored by the reply's last number against the `#### N` answer. Sampling: `--samples` per problem, temperature 0.7,
-top-k 50 (the real run's), at most `--max-new-tokens`; the seeds are the evaluator's, the same for every model. Every
+top-k 50 (the real run's), at most `--max-new-tokens`; the seeds are the evaluator's, the same for every model, each
+problem's its own (how many problems share a call changes only rounding; a record without the field used 4). Every
 pass@k is printed with its standard error over problems; one JSON line per model goes to `--out`, with each sample's
 outcome and whether it stopped. `--compare` reads two such records of the same problems and draws and prints the gain
 problem by problem (paired), the stop rates, the share right among replies that stopped, and how much of the gain
@@ -49,7 +51,8 @@ def evaluate_model(folder, task, args) -> dict:
     engine = Engine(use_fast_paths(model.eval()), tokenizer)          # on a CPU, as the trainer samples
     sampling = Sampling(num_samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=0.7, top_k=50)
     t0 = time.perf_counter()
-    result = evaluate_pass_at_k(engine, tokenizer, task, sampling, args.examples, seed=args.seed, prompts_per_batch=4)
+    result = evaluate_pass_at_k(engine, tokenizer, task, sampling, args.examples, seed=args.seed,
+                                prompts_per_batch=args.prompts_per_batch)
     right, stopped = result.outcomes, result.stopped                  # (P, n) each: per problem, for paired comparisons
     return result.metrics() | {"seconds": time.perf_counter() - t0,
                                "right_if_stopped": right[stopped].float().mean().item(),
@@ -66,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply at most (default 256)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the weights' dtype (default float32)")
+    p.add_argument("--prompts-per-batch", type=int, default=16,
+                   help="problems sampled in one engine call: more rows a decode step, the same seeds (default 16)")
     p.add_argument("--seed", type=int, default=42, help="the evaluator's seed (default 42)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--data-dir", default=str(DATA), help=f"GSM8K's folder (default {DATA})")
@@ -79,6 +84,10 @@ def parse_args(argv=None):
     args.label = args.label or args.model
     if len(args.label) != len(args.model):
         p.error(f"{len(args.label)} --label for {len(args.model)} --model")
+    counts = ("examples", "samples", "max_new_tokens", "prompts_per_batch", "threads")
+    bad = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in counts if getattr(args, k) < 1]
+    if bad:
+        p.error(f"{', '.join(bad)}: each must be at least 1")
     return args
 
 
@@ -125,7 +134,7 @@ def main(argv=None):
         m = evaluate_model(folder, task, args)
         record = {"label": label, "model": str(folder), "examples": args.examples, "samples": args.samples,
                   "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": args.threads,
-                  "cpu": cpu_label(),
+                  "prompts_per_batch": args.prompts_per_batch, "cpu": cpu_label(),
                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **m}
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
