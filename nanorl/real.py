@@ -167,8 +167,9 @@ def real_parser() -> argparse.ArgumentParser:
                    help="one-step word problems (the recorded run, default), two- and three-step ones (64 tokens), "
                         "or GSM8K's (--data-dir: its train.jsonl and test.jsonl) for Qwen2.5-Coder-0.5B-Instruct")
     add_config_flag(p, "data_dir", None, "GSM8K's folder, for --problems gsm8k")
-    recipe = ("num_steps", "examples_per_step", "num_samples", "max_new_tokens", "temperature", "lr", "warmup_steps",
-              "truncated", "skip_zero_signal", "entropy_coef", "eval_every", "eval_examples", "logp", "train_stop", "seed")
+    recipe = ("num_steps", "examples_per_step", "num_samples", "max_new_tokens", "temperature", "lr",
+              "warmup_steps", "truncated", "skip_zero_signal", "entropy_coef", "eval_every", "eval_examples", "logp",
+              "train_stop", "seed")
     for name in recipe:                       # train's flags; their defaults here are the recipe's
         add_config_flag(p, name, None, config_help(name, RECIPE.get(name, getattr(Config(), name))))
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
