@@ -8,6 +8,7 @@ import argparse, json, os, random, shutil, sys, time, warnings
 from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -28,10 +29,10 @@ from .start import ARITHMETIC_PROBLEMS, HELD_OUT_PROBLEMS, make_tasks
 from .train import NonFiniteError, train
 
 # %% auto #0
-__all__ = ['DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',
-           'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config', 'eval_points', 'moving_average', 'plot_run',
-           'set_threads', 'demo_files', 'record_files', 'read_mark', 'claim_dir', 'prepare', 'run_rl', 'before_after',
-           'run_demo', 'demo_parser', 'main']
+__all__ = ['TIMINGS', 'DEMO_MARK', 'DemoConfig', 'NoSignal', 'make_control_tasks', 'train_tokenizer', 'fresh_model', 'sft_batch',
+           'sampled_accuracy', 'sft_warmup', 'save_sft', 'rl_config', 'eval_points', 'moving_average', 'update_minutes',
+           'minutes_axis', 'plot_run', 'set_threads', 'demo_files', 'record_files', 'read_mark', 'claim_dir', 'prepare',
+           'run_rl', 'before_after', 'run_demo', 'demo_parser', 'main']
 
 # %% ../nbs/17_demo.ipynb #3b6f2382
 @dataclass
@@ -197,6 +198,29 @@ def _per_step(ax, records, key: str, title: str):
     ax.step(steps, moving_average(values), where="mid", label="moving average of 10")
     ax.set(title=title, xlabel="step")
 
+TIMINGS = ("t_rollout", "t_reward", "t_train", "t_eval")   # a step's seconds, as the trainer records them
+
+def update_minutes(records):
+    "(updates done, wall-clock minutes by then) of a run, past both ends at its mean pace; None without timings."
+    if not records or any("t_rollout" not in r for r in records):
+        return None
+    ends = [0.0]
+    for r in records:                                        # minutes when each update is done
+        ends.append(ends[-1] + sum(r.get(k, 0.0) for k in TIMINGS) / 60)
+    n, pace = len(records), ends[-1] / len(records)
+    return [-n, *range(n + 1), 2 * n], [-n * pace, *ends, ends[-1] + n * pace]
+
+def minutes_axis(ax, records):
+    "A top axis in wall-clock minutes over an axis of updates done (none if the records lack timings)."
+    if (points := update_minutes(records)) is None:
+        return None
+    updates, ends = points
+    def to_minutes(u): return np.interp(u, updates, ends)   # both grow with every step: one maps onto the other
+    def to_updates(m): return np.interp(m, ends, updates)
+    top = ax.secondary_xaxis("top", functions=(to_minutes, to_updates))
+    top.set_xlabel("minutes", fontsize=8)
+    return top
+
 def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
     "Save reward / pass@k / length / stop rate (and with `entropy`, entropy) panels of an RL run as a PNG."
     from matplotlib.figure import Figure            # no pyplot: no global figure state, no backend to pick
@@ -211,6 +235,7 @@ def plot_run(records, path, title: str = "", k: int = 4, entropy: bool = False):
             x, y, se = zip(*pts)
             ax[1].errorbar(x, y, yerr=[2 * s for s in se], marker="o", capsize=3, label=key)
     ax[1].set(title="held-out pass@k (±2 s.e.)", xlabel="updates done", ylim=(0, 1))
+    minutes_axis(ax[1], records)
     ax[1].legend(loc="lower right", fontsize=8)
     _per_step(ax[2], records, "seq_len", "completion length (tokens)")
     _per_step(ax[3], records, "stop_rate", "replies that stopped")
