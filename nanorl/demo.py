@@ -202,20 +202,24 @@ TIMINGS = ("t_rollout", "t_reward", "t_train", "t_eval")   # a step's seconds, a
 
 def update_minutes(records):
     "(updates done, wall-clock minutes by then) of a run, past both ends at its mean pace; None without timings."
-    if not records or any("t_rollout" not in r for r in records):
+    by_step = {r["step"]: r for r in records}                # a step recorded twice (a resumed run): its last record
+    if not by_step or any("t_rollout" not in r for r in by_step.values()):
         return None
-    ends = [0.0]
-    for r in records:                                        # minutes when each update is done
-        ends.append(ends[-1] + sum(r.get(k, 0.0) for k in TIMINGS) / 60)
-    n, pace = len(records), ends[-1] / len(records)
-    return [-n, *range(n + 1), 2 * n], [-n * pace, *ends, ends[-1] + n * pace]
+    updates, ends = [0], [0.0]
+    for step in sorted(by_step):                             # minutes when each update is done
+        updates.append(step + 1)
+        ends.append(ends[-1] + sum(by_step[step].get(k, 0.0) for k in TIMINGS) / 60)
+    if any(b <= a for a, b in zip(ends, ends[1:])):          # a step of no time: minutes would not name an update
+        return None
+    n, pace = updates[-1], ends[-1] / updates[-1]
+    return [-n, *updates, 2 * n], [-n * pace, *ends, ends[-1] + n * pace]
 
 def minutes_axis(ax, records):
     "A top axis in wall-clock minutes over an axis of updates done (none if the records lack timings)."
     if (points := update_minutes(records)) is None:
         return None
     updates, ends = points
-    def to_minutes(u): return np.interp(u, updates, ends)   # both grow with every step: one maps onto the other
+    def to_minutes(u): return np.interp(u, updates, ends)   # both rise with every step: one maps onto the other
     def to_updates(m): return np.interp(m, ends, updates)
     top = ax.secondary_xaxis("top", functions=(to_minutes, to_updates))
     top.set_xlabel("minutes", fontsize=8)

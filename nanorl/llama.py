@@ -385,7 +385,7 @@ def setup_optimizers(self: Llama, lr=3e-6, weight_decay=0.0, embedding_lr=None, 
     rates = dict(embedding=embedding_lr, unembedding=unembedding_lr, matrix=matrix_lr, vector=None)
     param_groups = [dict(params=ps, name=n, lr=lr if rates[n] is None else rates[n],
                          weight_decay=0.0 if n == "vector" else weight_decay) for n, ps in groups.items() if ps]
-    opt = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, fused=True)   # one kernel a group: 6x on CPU
+    opt = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, fused=True)   # one kernel a group
     for group in opt.param_groups:
         group["initial_lr"] = group["lr"]
     return opt

@@ -171,7 +171,9 @@ def real_parser() -> argparse.ArgumentParser:
               "warmup_steps", "truncated", "skip_zero_signal", "entropy_coef", "eval_every", "eval_examples", "logp",
               "train_stop", "seed")
     for name in recipe:                       # train's flags; their defaults here are the recipe's
-        add_config_flag(p, name, None, config_help(name, RECIPE.get(name, getattr(Config(), name))))
+        default = RECIPE.get(name, getattr(Config(), name))
+        gsm8k = TASK_RECIPE["gsm8k"].get(name, default)
+        add_config_flag(p, name, None, config_help(name, default if gsm8k == default else f"{default}; gsm8k: {gsm8k}"))
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     add_config_flag(p, "resume", False, "continue the run in --output-dir from its last checkpoint")
     add_config_flag(p, "allow_changes", False, config_help("allow_changes", False))

@@ -79,15 +79,20 @@ def test_multi_step_task_has_two_or_three_steps_and_room_to_write_them():
     assert real_parser().parse_args(["--problems", "multi-step"]).problems == "multi-step"
 
 
-def test_study_flags_reach_the_config():
-    "The GSM8K study's knobs (group size, temperature, skipped groups, evaluation cadence) are flags of the real run."
-    from nanorl.real import real_parser
+def test_study_flags_reach_the_config(tmp_path, monkeypatch):
+    "The GSM8K study's knobs (group size, temperature, skipped groups, evaluation cadence) reach the run through main."
+    import nanorl.real as real
+    from doubles import save_tiny_hf_model
 
+    save_tiny_hf_model("llama", tmp_path / "m")
+    seen = []
+    summary = dict(before=0.0, before_se=0.0, after=0.0, after_se=0.0, seconds=0.0, plot="p.png")
+    monkeypatch.setattr(real, "run_real", lambda cfg: seen.append(cfg) or summary)
     names = ("num_samples", "examples_per_step", "temperature", "skip_zero_signal", "eval_every")
-    args = real_parser().parse_args(["--problems", "gsm8k", "--num-samples", "16", "--examples-per-step", "2",
-                                     "--temperature", "1.0", "--skip-zero-signal", "--eval-every", "5"])
-    cfg = real_config("m", task="gsm8k", **{k: getattr(args, k) for k in names})
-    assert tuple(getattr(cfg, k) for k in names) == (16, 2, 1.0, True, 5)
-    left_out = real_parser().parse_args([])
-    assert all(getattr(left_out, k) is None for k in names)               # left out: the recipe's values stand
-    assert real_config("m", task="gsm8k").temperature == 0.7 and not real_config("m", task="gsm8k").skip_zero_signal
+    flags = ["--num-samples", "16", "--examples-per-step", "2", "--temperature", "1.0", "--skip-zero-signal",
+             "--eval-every", "5"]
+    common = ["--problems", "gsm8k", "--model-path", str(tmp_path / "m"), "--output-dir", str(tmp_path / "out")]
+    real.main(common + flags)
+    real.main(common)
+    assert tuple(getattr(seen[0], k) for k in names) == (16, 2, 1.0, True, 5)
+    assert tuple(getattr(seen[1], k) for k in names) == (8, 4, 0.7, False, 10)          # left out: the recipe's
