@@ -77,6 +77,7 @@ class Config:
     entropy_coef: float = _flag(0.0, "entropy bonus: minus this times the trained tokens' entropy (0: off)")
     lr_schedule: str = _flag("linear", "learning-rate decay to zero: linear (nanochat) or cosine")
     warmup_steps: int = _flag(0, "the learning rate rises linearly over the first N steps (0: none, nanochat)")
+    max_grad_norm: float = _flag(0.0, "clip the gradients' total norm to this before each update (0: off, nanochat)")
     truncated: str = _flag("keep", "a reply cut by --max-new-tokens: keep (scored as is, nanochat), mask (left out "
                                    "of the loss) or zero (reward 0)")
     eval_samples: int | None = _flag(None, "samples per eval problem (default: device_batch_size, as nanochat)")
@@ -142,7 +143,8 @@ _CHOICES = dict(source=("sft", "rl"), advantage=ADVANTAGE_METHODS, loss_norm=NOR
 _AT_LEAST = {**dict.fromkeys(("device_batch_size", "examples_per_step", "max_new_tokens", "eval_every", "eval_examples",
                              "save_every", "rollout_rows", "max_bad_steps", "num_epochs", "num_steps", "eval_samples",
                              "eval_max_new_tokens"), 1),
-            "num_samples": 2, "kl_coef": 0, "entropy_coef": 0, "warmup_steps": 0, "model_step": 0}   # None: the default
+            "num_samples": 2, "kl_coef": 0, "entropy_coef": 0, "warmup_steps": 0, "model_step": 0,
+            "max_grad_norm": 0}   # None: the default
 _WHY = {"num_samples": ": the advantage compares samples within a group"}
 
 MAX_RATE = 10.0   # an Adam or Muon step moves a weight by about its rate: far above 1, it only wrecks the weights
@@ -259,7 +261,7 @@ FLAG_GROUPS = {   # every field, by what it is about; --help lists them in this 
     "data": ("task", "data_dir", "num_epochs", "examples_per_step", "seed"),
     "sampling": ("num_samples", "max_new_tokens", "temperature", "top_k", "engine", "rollout_rows"),
     "optimization": ("num_steps", "lr", "embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "init_lr_frac",
-                     "lr_schedule", "warmup_steps"),
+                     "lr_schedule", "warmup_steps", "max_grad_norm"),
     "loss": ("advantage", "loss_norm", "logp", "train_stop", "truncated", "skip_zero_signal", "kl_coef",
              "entropy_coef", "is_correction", "is_cap"),
     "run": ("run", "preset", "output_dir", "resume", "allow_changes", "save_every", "max_bad_steps", "wandb_project"),
@@ -268,8 +270,9 @@ FLAG_GROUPS = {   # every field, by what it is about; --help lists them in this 
               "cuda_graphs"),
 }
 ADVANCED = ("preset", "source", "skip_zero_signal", "kl_coef", "entropy_coef", "lr_schedule", "warmup_steps",
-            "eval_samples", "eval_max_new_tokens", "rollout_rows", "max_bad_steps", "wandb_project", "is_correction",
-            "is_cap", "dist_timeout_min", "cpu_fast_paths", "cuda_graphs")   # accepted always, listed by --help-all
+            "max_grad_norm", "eval_samples", "eval_max_new_tokens", "rollout_rows", "max_bad_steps", "wandb_project",
+            "is_correction", "is_cap", "dist_timeout_min", "cpu_fast_paths",
+            "cuda_graphs")   # accepted always, listed by --help-all
 
 def config_help(name: str, default=dataclasses.MISSING) -> str:
     "A field's help with `default` (None given: the field's own, unless its help says it) as its default."

@@ -168,7 +168,8 @@ def real_parser() -> argparse.ArgumentParser:
                         "or GSM8K's (--data-dir: its train.jsonl and test.jsonl) for Qwen2.5-Coder-0.5B-Instruct")
     add_config_flag(p, "data_dir", None, "GSM8K's folder, for --problems gsm8k")
     recipe = ("num_steps", "examples_per_step", "num_samples", "max_new_tokens", "temperature", "lr",
-              "warmup_steps", "truncated", "skip_zero_signal", "entropy_coef", "eval_every", "eval_examples", "logp",
+              "warmup_steps", "max_grad_norm", "truncated", "skip_zero_signal", "entropy_coef", "eval_every",
+              "eval_examples", "logp",
               "train_stop", "seed")
     for name in recipe:                       # train's flags; their defaults here are the recipe's
         default = RECIPE.get(name, getattr(Config(), name))

@@ -234,8 +234,8 @@ STEERING = ("model_tag", "model_step", "source", "model_path", "task", "seed", "
             "examples_per_step", "num_samples", "device_batch_size", "max_new_tokens", "temperature", "top_k",
             "embedding_lr", "unembedding_lr", "matrix_lr", "lr", "weight_decay", "init_lr_frac", "advantage",
             "loss_norm", "skip_zero_signal", "logp", "train_stop", "kl_coef", "entropy_coef", "lr_schedule",
-            "warmup_steps", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap", "cpu_fast_paths",
-            "cuda_graphs",
+            "warmup_steps", "max_grad_norm", "truncated", "dtype", "fsdp", "engine", "is_correction", "is_cap",
+            "cpu_fast_paths", "cuda_graphs",
             "data_dir", "data_sha256",   # the data the task read: its folder, {file: sha256} (`15c_start`)
             "model_sha256",              # the --model-path folder's files (tokenizer, template, reference weights)
             "compute_dtype")             # what --dtype auto chose on this CPU for this model (`15c_start`)

@@ -199,8 +199,8 @@ def learn(policy: Policy, batch: Rollout, scores: Scores, settings: LossSettings
 class NonFiniteError(RuntimeError):
     "A step made the loss, the gradients or the weights non-finite."
 
-def update(policy: Policy, optimizer, lrm: float = 1.0) -> float:
-    "Average gradients over ranks, then step with lr = initial_lr * lrm; the gradient norm (nan: step skipped)."
+def update(policy: Policy, optimizer, lrm: float = 1.0, max_grad_norm: float = 0.0) -> float:
+    "Rank-averaged gradients clipped to max_grad_norm (0: off), a step at initial_lr * lrm; their norm (nan: skipped)."
     model, world_size = policy.model, policy.world_size
     params = [p for p in model.parameters() if p.requires_grad]
     densify_grads(params)
@@ -208,7 +208,8 @@ def update(policy: Policy, optimizer, lrm: float = 1.0) -> float:
         p.grad = torch.zeros_like(p)
     if not is_sharded(model):       # FSDP2 has reduce-scattered (and averaged) them in the backward passes
         sync_gradients(params, world_size)
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, float("inf"))).item()
+    limit = max_grad_norm if max_grad_norm > 0 else float("inf")              # the norm is measured either way
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, limit)).item()
     if math.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm

@@ -157,7 +157,7 @@ class Trainer:
             scores = score(self.train_task, batch, self.settings)
             t2 = time.perf_counter()
             stats = learn(self.policy, batch, scores, self.settings)
-        grad_norm = update(self.policy, self.optimizer, lrm)
+        grad_norm = update(self.policy, self.optimizer, lrm, cfg.max_grad_norm)
         peaks.mark("mem_train_gib")
         times = {"t_rollout": t1 - t0, "t_reward": t2 - t1, "t_train": time.perf_counter() - t2}
         times |= self.engine.sync(self.model)       # vLLM samples the next step with the new weights: t_sync

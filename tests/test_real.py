@@ -80,7 +80,7 @@ def test_multi_step_task_has_two_or_three_steps_and_room_to_write_them():
 
 
 def test_study_flags_reach_the_config(tmp_path, monkeypatch):
-    "The GSM8K study's knobs (group size, temperature, skipped groups, evaluation cadence) reach the run through main."
+    "The GSM8K study's knobs (group size, temperature, skipped groups, clipping, evaluations) reach the run via main."
     import nanorl.real as real
     from doubles import save_tiny_hf_model
 
@@ -88,11 +88,11 @@ def test_study_flags_reach_the_config(tmp_path, monkeypatch):
     seen = []
     summary = dict(before=0.0, before_se=0.0, after=0.0, after_se=0.0, seconds=0.0, plot="p.png")
     monkeypatch.setattr(real, "run_real", lambda cfg: seen.append(cfg) or summary)
-    names = ("num_samples", "examples_per_step", "temperature", "skip_zero_signal", "eval_every")
+    names = ("num_samples", "examples_per_step", "temperature", "skip_zero_signal", "eval_every", "max_grad_norm")
     flags = ["--num-samples", "16", "--examples-per-step", "2", "--temperature", "1.0", "--skip-zero-signal",
-             "--eval-every", "5"]
+             "--eval-every", "5", "--max-grad-norm", "1.0"]
     common = ["--problems", "gsm8k", "--model-path", str(tmp_path / "m"), "--output-dir", str(tmp_path / "out")]
     real.main(common + flags)
     real.main(common)
-    assert tuple(getattr(seen[0], k) for k in names) == (16, 2, 1.0, True, 5)
-    assert tuple(getattr(seen[1], k) for k in names) == (8, 4, 0.7, False, 10)          # left out: the recipe's
+    assert tuple(getattr(seen[0], k) for k in names) == (16, 2, 1.0, True, 5, 1.0)
+    assert tuple(getattr(seen[1], k) for k in names) == (8, 4, 0.7, False, 10, 0.0)     # left out: the recipe's

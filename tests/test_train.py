@@ -315,3 +315,12 @@ def test_resume_agreement_tensor_is_on_the_run_device(tmp_path, monkeypatch):
     with pytest.raises(Reduced):
         R.load_resume_point(tmp_path, [4, 2], torch.device("meta"), world_size=2, rank=1)
     assert seen == [torch.device("meta")]
+
+
+def test_max_grad_norm_reaches_the_update(tmp_path, monkeypatch):
+    "--max-grad-norm is the limit each step's update clips to (0, the default, is none: nanochat's)."
+    seen, update = [], T.update
+    monkeypatch.setattr(T, "update", lambda *a: seen.append(a[3]) or update(*a))
+    train(step_config(base_dir(tmp_path, "clip"), max_grad_norm=0.5))
+    train(step_config(base_dir(tmp_path, "noclip")))
+    assert seen == [0.5, 0.0]
