@@ -108,7 +108,8 @@ RECIPE = dict(model_tag="smollm2", device_type="cpu", num_steps=80, examples_per
               device_batch_size=8, max_new_tokens=48, temperature=0.7, top_k=50, lr=3e-5, warmup_steps=0,
               truncated="zero", eval_every=40, eval_examples=128, eval_samples=4, save_every=80, dtype="float32")
 TASK_RECIPE = {"one-step": {}, "multi-step": dict(max_new_tokens=64),             # room for a third step
-               "gsm8k": dict(model_tag="qwen", num_steps=10, max_new_tokens=384, lr=2e-6, eval_every=10,
+               "gsm8k": dict(model_tag="qwen", num_steps=30, max_new_tokens=384, lr=3e-6, temperature=1.0,
+                             skip_zero_signal=True, eval_every=10,
                              eval_examples=32, eval_samples=2, save_every=10, dtype="bfloat16",
                              device_batch_size=2)}   # passes of 2 replies: 8 held 22 GB (151,936 logits a token)
 

@@ -95,4 +95,4 @@ def test_study_flags_reach_the_config(tmp_path, monkeypatch):
     real.main(common + flags)
     real.main(common)
     assert tuple(getattr(seen[0], k) for k in names) == (16, 2, 1.0, True, 5, 1.0)
-    assert tuple(getattr(seen[1], k) for k in names) == (8, 4, 0.7, False, 10, 0.0)     # left out: the recipe's
+    assert tuple(getattr(seen[1], k) for k in names) == (8, 4, 1.0, True, 10, 0.0)      # left out: the recipe's
