@@ -170,8 +170,7 @@ def real_parser() -> argparse.ArgumentParser:
     add_config_flag(p, "data_dir", None, "GSM8K's folder, for --problems gsm8k")
     recipe = ("num_steps", "examples_per_step", "num_samples", "max_new_tokens", "temperature", "lr",
               "warmup_steps", "max_grad_norm", "truncated", "skip_zero_signal", "entropy_coef", "eval_every",
-              "eval_examples", "logp",
-              "train_stop", "seed")
+              "eval_examples", "logp", "train_stop", "seed")
     for name in recipe:                       # train's flags; their defaults here are the recipe's
         default = RECIPE.get(name, getattr(Config(), name))
         gsm8k = TASK_RECIPE["gsm8k"].get(name, default)
