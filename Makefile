@@ -41,7 +41,7 @@ real: $(STAMP)  ## the recorded SmolLM2-135M-Instruct run (18_real): 40 steps, 2
 	$(BIN)/python -m nanorl.real --num-steps 40 --eval-examples 64 --threads 2
 
 GSM8K_DATA ?= ../shared/data/gsm8k
-gsm8k: $(STAMP)  ## the recorded GSM8K run (18_real): Qwen2.5-Coder-0.5B-Instruct, 30 steps on GSM8K train, 44 min on a 2-core Zen 5 (66 on a Zen 4)
+gsm8k: $(STAMP)  ## the recorded GSM8K run (18_real): Qwen2.5-Coder-0.5B-Instruct, 30 steps on GSM8K train, 44 min on a 2-core Zen 5 (66-75 on a Zen 4)
 	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) gguf accelerate
 	$(BIN)/python bench/qwen_coder.py
 	$(BIN)/python -m nanorl.real --problems gsm8k --data-dir $(GSM8K_DATA) --threads 2 --output-dir runs/gsm8k
