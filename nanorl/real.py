@@ -40,14 +40,17 @@ def final_number(text: str) -> str | None:
 class FinalNumber(TaskView):
     "A `####` task asked with an instruction and scored by the reply's last number."
     def __getitem__(self, i):
+        "Conversation `i` with the instruction appended to its question."
         conv = self.task[i]
         first, rest = conv["messages"][0], conv["messages"][1:]
         return {"messages": [{**first, "content": first["content"] + INSTRUCTION}, *rest]}
 
     def evaluate(self, conversation, completion):
+        "True when the reply's last number is the reference answer."
         return final_number(completion) == reference_answer(conversation, nanochat_compat=False)
 
     def reward(self, conversation, completion):
+        "1.0 for a right answer, 0.0 otherwise."
         return float(self.evaluate(conversation, completion))
 
 # %% ../nbs/18_real.ipynb #a2d595eb
