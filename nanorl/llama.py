@@ -20,7 +20,7 @@ from .chat import read_json
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'REQUIRED_KEYS', 'MAX_POSITIONS', 'SIZES', 'SAFETENSORS_INDEX', 'SAFETENSORS_FILE',
            'Llama3Scaling', 'DecoderConfig', 'rope_settings', 'machine_memory', 'check_fits_memory', 'config_from_dict',
-           'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Attention', 'SwiGLU', 'DecoderLayer', 'Llama',
+           'RMSNorm', 'rope_inv_freq', 'rope_tables', 'Fusable', 'Attention', 'SwiGLU', 'DecoderLayer', 'Llama',
            'safetensors_files', 'read_weights', 'check_weights', 'load_llama']
 
 # %% ../nbs/03_llama.ipynb #0f6770e4
@@ -183,8 +183,21 @@ def rope_tables(config, seq_len, device=None):
     return angles.cos(), angles.sin()
 
 # %% ../nbs/03_llama.ipynb #4e75b957
-class Attention(nn.Module):
+class Fusable(nn.Module):
+    "A module whose `fusable` linears read one input: `13_speedups` may set `fused`, one product for all of them."
+    fusable, fused = (), None
+
+    def project(self, x):
+        "Each fusable linear's output for x, in order: through `fused` when set."
+        return self.fused(x) if self.fused is not None else tuple(getattr(self, n)(x) for n in self.fusable)
+
+    def __getstate__(self):
+        "Deep copies and pickles leave the fused copy behind."
+        return {**self.__dict__, "fused": None}
+
+class Attention(Fusable):
     "Grouped-query attention with rotary positions, optional biases and optional per-head q/k RMSNorm (Qwen3)."
+    fusable = ("q_proj", "k_proj", "v_proj")
     _sdpa = gpt.CausalSelfAttention._sdpa    # GPT's: SDPA on (B, T, H, D) tensors, GQA when heads differ
     sdpa = None                              # as GPT's: `13_speedups` may switch in its CPU attention
     attend = gpt.CausalSelfAttention.attend  # GPT's, without a window: causal, or through the KV cache
@@ -203,17 +216,20 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache=None, ctx=None):
         "x (B, T, d) normalized input; cos/sin (B|1, T, 1, D/2); returns (B, T, d)."
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)        # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)     # (B, T, H_kv, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)     # (B, T, H_kv, D)
+        q, k, v = self.project(x)                                        # (B, T, H * D), (B, T, H_kv * D) x 2
+        q = q.view(B, T, self.n_head, self.head_dim)                     # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)                  # (B, T, H_kv, D)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)                  # (B, T, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, -sin), apply_rotary(k, cos, -sin)   # -sin: rotate by +angle, as Hugging Face does
         y = self.attend(q, k, v, kv_cache, ctx)                          # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, -1))
 
-class SwiGLU(nn.Module):
+class SwiGLU(Fusable):
     "down_proj(silu(gate_proj(x)) * up_proj(x)): the gated MLP of Llama and Qwen."
+    fusable = ("gate_proj", "up_proj")
+
     def __init__(self, config):
         super().__init__()
         d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -222,7 +238,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(h, d, bias=bias)
     def forward(self, x):
         "(B, T, d) -> (B, T, d)."
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project(x)                                       # (B, T, h) each
+        return self.down_proj(F.silu(gate) * up)
 
 class DecoderLayer(nn.Module):
     "Pre-norm block: x + attention(input_layernorm(x)), then x + mlp(post_attention_layernorm(x))."

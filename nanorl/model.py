@@ -96,7 +96,8 @@ def rotary_tables(seq_len, head_dim, base, dtype=torch.float32, device=None):
 def apply_rotary(x, cos, sin):
     "Rotate channel pairs (x[..., :D/2], x[..., D/2:]) of x (B, T, H, D); cos/sin broadcast as (B|1, T, 1, D/2)."
     d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
+    xc = x.to(torch.promote_types(x.dtype, cos.dtype))     # cast once: each product below would cast its half again
+    x1, x2 = xc[..., :d], xc[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(x.dtype)
 
 # %% ../nbs/02_model.ipynb #4323d3da

@@ -21,9 +21,9 @@ from .llama import Llama
 # %% auto #0
 __all__ = ['ONEDNN_LINEAR', 'BF16', 'LATER', 'PACK_MIN_WEIGHTS', 'PACK_MIN_ROWS', 'HEAD_AS_WHT_ROWS', 'PACK_MIN_TOKENS',
            'CPU_FAST_PATHS', 'M_TRIM_THRESHOLD', 'M_TOP_PAD', 'M_MMAP_THRESHOLD', 'PackedLinear', 'OneDNNLinear',
-           'onednn_pays', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward', 'llama_unembed',
-           'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for', 'use_fast_paths', 'bf16_pays',
-           'keep_freed_memory']
+           'onednn_pays', 'FusedLinear', 'packed_weights', 'SoftcappedNLL', 'softcapped_nll', 'fused_forward',
+           'llama_unembed', 'fixed_weights', 'packed_for_call', 'FastPaths', 'cpu_sdpa', 'fast_paths_for',
+           'use_fast_paths', 'bf16_pays', 'keep_freed_memory']
 
 # %% ../nbs/13_speedups.ipynb #1a1a3d80
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and all(   # CPU builds that still have both private ops
@@ -154,6 +154,36 @@ def onednn_pays(out_features, in_features) -> bool:
     "Whether a float32 CPU weight of this shape is packed for oneDNN: a fixed rule by size, so that runs round alike."
     return bool(ONEDNN_LINEAR and torch.backends.mkldnn.enabled and out_features * in_features >= PACK_MIN_WEIGHTS)
 
+# %% ../nbs/13_speedups.ipynb #9f28f988
+class FusedLinear:
+    "Linears that read one input: one packed bf16 product under CPU bf16 autocast without gradients, else apart."
+    def __init__(self, linears):
+        self.linears, self.sizes = linears, [m.out_features for m in linears]
+        self.pack, self.versions = None, None                   # the stacked copy, and the weights it was made of
+
+    def refresh(self):
+        "Drop the stacked copy: made again from the weights at the next call."
+        self.pack = None
+
+    def stacked(self) -> PackedLinear:
+        "The weights (sum of outs, in) and biases stacked in bf16, made again whenever a weight changed in place."
+        versions = [m.weight._version for m in self.linears]
+        if self.pack is None or versions != self.versions:
+            w = torch.cat([m.weight.detach().to(BF16) for m in self.linears])       # (sum of outs, in)
+            biased = any(m.bias is not None for m in self.linears)
+            b = torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)).detach().to(BF16)
+                           for m in self.linears]) if biased else None            # (sum of outs,)
+            self.pack, self.versions = PackedLinear(w, b), versions
+        return self.pack
+
+    def __call__(self, x: torch.Tensor) -> tuple:
+        "Each linear's output (..., out_i) for x (..., in), in order."
+        bf16 = x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16
+        if torch.is_grad_enabled() or not bf16:
+            return tuple(m(x) for m in self.linears)
+        return self.stacked().bf16(x).split(self.sizes, -1)
+
+
 # %% ../nbs/13_speedups.ipynb #304ed784
 @contextmanager
 def packed_weights(model: GPT | Llama):
@@ -163,11 +193,17 @@ def packed_weights(model: GPT | Llama):
         weight = m.weight[: model.config.vocab_size] if m is model.lm_head else m.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:     # the head: decode steps always pay
             m.pack = PackedLinear(weight, m.bias, onednn=m is model.lm_head or onednn_pays(*weight.shape))
+    fused = [m for m in model.modules() if getattr(m, "fusable", ()) and m.fused is None]   # Llama's (below)
+    for m in fused:
+        m.fused = FusedLinear([getattr(m, name) for name in m.fusable])
     def after_step(optimizer, args, kwargs):                  # fused AdamW leaves `_version` as it was
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for m in opened:
             if m.pack is not None and id(m.weight) in stepped:
                 m.pack.refresh(updated=True)
+        for m in fused:
+            if any(id(linear.weight) in stepped for linear in m.fused.linears):
+                m.fused.refresh()
     watch = register_optimizer_step_post_hook(after_step)
     try:
         yield model
@@ -175,6 +211,8 @@ def packed_weights(model: GPT | Llama):
         watch.remove()
         for m in opened:
             m.pack = None
+        for m in fused:
+            m.fused = None
 
 # %% ../nbs/13_speedups.ipynb #69f46186
 PACK_MIN_ROWS = 64  # fewer rows than this: reordering the head for oneDNN costs more than it saves
