@@ -154,7 +154,7 @@ def onednn_pays(out_features, in_features) -> bool:
     "Whether a float32 CPU weight of this shape is packed for oneDNN: a fixed rule by size, so that runs round alike."
     return bool(ONEDNN_LINEAR and torch.backends.mkldnn.enabled and out_features * in_features >= PACK_MIN_WEIGHTS)
 
-# %% ../nbs/13_speedups.ipynb #9f28f988
+# %% ../nbs/13_speedups.ipynb #f385f535
 class FusedLinear:
     "Linears that read one input: one packed bf16 product under CPU bf16 autocast without gradients, else apart."
     def __init__(self, linears):
