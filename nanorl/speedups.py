@@ -92,7 +92,7 @@ class PackedLinear:
         "x @ weight.T + bias with gradients to all three: every product in oneDNN if W is packed, else F.linear."
         self.refresh()
         plain = weight.shape != self.weight.shape or x.dtype != torch.float32 or not x.numel()  # e.g. a padded head
-        if plain or self.packed is None or torch.is_autocast_enabled("cpu"):
+        if plain or torch.is_autocast_enabled("cpu") or self.packed is None:   # autocast: no float32 copy made
             return F.linear(x, weight, bias)
         return OneDNNLinear.apply(x, weight, bias, self)
 
@@ -193,7 +193,7 @@ def packed_weights(model: GPT | Llama):
         weight = m.weight[: model.config.vocab_size] if m is model.lm_head else m.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:     # the head: decode steps always pay
             m.pack = PackedLinear(weight, m.bias, onednn=m is model.lm_head or onednn_pays(*weight.shape))
-    fused = [m for m in model.modules() if getattr(m, "fusable", ()) and m.fused is None]   # Llama's (below)
+    fused = [m for m in model.modules() if getattr(m, "fusable", ()) and m.fused is None]   # `03_llama`'s `Fusable`
     for m in fused:
         m.fused = FusedLinear([getattr(m, name) for name in m.fusable])
     def after_step(optimizer, args, kwargs):                  # fused AdamW leaves `_version` as it was
