@@ -31,6 +31,10 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and all(   # CPU builds tha
 BF16 = torch.bfloat16
 LATER = object()  # a PackedLinear not yet reordered
 
+def _cpu_bf16(x):
+    "Whether x is on the CPU inside CPU bf16 autocast: where the bf16 copies of this room are used."
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16
+
 def _onednn_usable(weight):
     "Whether oneDNN can take this weight: float32 on the CPU, oneDNN built in and on, no autocast."
     return (ONEDNN_LINEAR and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled("cpu")
@@ -71,7 +75,7 @@ class PackedLinear:
         self.refresh()
         if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16:
+        if _cpu_bf16(x):
             return self.bf16(x)
         if self.packed is None or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return F.linear(x, self.weight, self.bias)
@@ -170,16 +174,14 @@ class FusedLinear:
         versions = [m.weight._version for m in self.linears]
         if self.pack is None or versions != self.versions:
             w = torch.cat([m.weight.detach().to(BF16) for m in self.linears])       # (sum of outs, in)
-            biased = any(m.bias is not None for m in self.linears)
-            b = torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)).detach().to(BF16)
-                           for m in self.linears]) if biased else None            # (sum of outs,)
+            biased = self.linears[0].bias is not None                              # a group shares one bias setting
+            b = torch.cat([m.bias.detach().to(BF16) for m in self.linears]) if biased else None   # (sum of outs,)
             self.pack, self.versions = PackedLinear(w, b), versions
         return self.pack
 
     def __call__(self, x: torch.Tensor) -> tuple:
         "Each linear's output (..., out_i) for x (..., in), in order."
-        bf16 = x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16
-        if torch.is_grad_enabled() or not bf16:
+        if torch.is_grad_enabled() or not _cpu_bf16(x):
             return tuple(m(x) for m in self.linears)
         return self.stacked().bf16(x).split(self.sizes, -1)
 
@@ -395,7 +397,7 @@ def llama_unembed(model, h):
     "Llama's logits through the head's packed copy; without one, a few CPU rows as (W @ h.T).T, not F.linear."
     few_rows = h.ndim == 2 and h.size(0) <= HEAD_AS_WHT_ROWS and h.device.type == "cpu"
     pack = model.lm_head.pack                                                   # None, or refused by oneDNN: no copy
-    bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16     # the pack's bf16 copy
+    bf16 = _cpu_bf16(h)                                                         # the pack's bf16 copy
     if (pack is None or pack.packed is None) and few_rows and not (bf16 and pack is not None):
         return (model.lm_head.weight @ h.T).T.float()         # (b, V), a transposed view: same values, less time
     return model.lm_head(h).float()
@@ -427,7 +429,7 @@ CPU_FAST_PATHS = FastPaths(loss=fused_forward, unembed=llama_unembed, decoding=p
 
 def cpu_sdpa(q, k, v, **kwargs):
     "SDPA, in float32 under CPU bf16 autocast: there the CPU's bf16 attention kernel is the slower one at decode."
-    if not (q.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16):
+    if not _cpu_bf16(q):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     with torch.autocast("cpu", enabled=False):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
