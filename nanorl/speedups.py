@@ -162,6 +162,9 @@ def onednn_pays(out_features, in_features) -> bool:
 class FusedLinear:
     "Linears that read one input: one packed bf16 product under CPU bf16 autocast without gradients, else apart."
     def __init__(self, linears):
+        kinds = {(m.in_features, m.bias is not None) for m in linears}
+        if len(kinds) != 1:
+            raise ValueError(f"FusedLinear stacks linears with one input width and one bias setting; got {kinds}")
         self.linears, self.sizes = linears, [m.out_features for m in linears]
         self.pack, self.versions = None, None                   # the stacked copy, and the weights it was made of
 
@@ -174,7 +177,7 @@ class FusedLinear:
         versions = [m.weight._version for m in self.linears]
         if self.pack is None or versions != self.versions:
             w = torch.cat([m.weight.detach().to(BF16) for m in self.linears])       # (sum of outs, in)
-            biased = self.linears[0].bias is not None                              # a group shares one bias setting
+            biased = self.linears[0].bias is not None                              # one bias setting (checked)
             b = torch.cat([m.bias.detach().to(BF16) for m in self.linears]) if biased else None   # (sum of outs,)
             self.pack, self.versions = PackedLinear(w, b), versions
         return self.pack

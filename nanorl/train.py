@@ -20,6 +20,7 @@ from .engine import context_limit
 from .tasks import read_jsonl
 from .evaluate import evaluate_pass_at_k
 from .speedups import fast_paths_for, fixed_weights, keep_freed_memory, use_fast_paths
+from .kernel import use_decode_kernel
 from .capture import use_captured_decoding
 from .llama import machine_memory
 from .scale import (PhasePeaks, autocast_for, check_ranks_agree, full_model_state,
@@ -125,6 +126,7 @@ class Trainer:
         if fast:
             for m in filter(None, (self.model, policy.reference)):
                 use_fast_paths(m)
+            use_decode_kernel(self.model)           # bf16 decode steps in a compiled kernel: `13b_kernel`
         evaluation = cfg.sampling(evaluation=True)
         vllm_folder = cfg.model_path if cfg.engine == "vllm" else None
         longest = max(cfg.max_new_tokens, evaluation.max_new_tokens)           # vLLM sizes its KV cache for it

@@ -11,8 +11,8 @@ from test_layout import LIB, NBS, ROOT, TESTS, library_files, notebook_modules, 
 NUMBERED = numbered_notebooks()
 STEMS = {nb.stem for nb in NUMBERED}
 SIDE_ROOMS = {"01a_chat", "01b_optim", "03_llama", "04_checkpoint", "04a_rundir", "05_calculator", "08_tasks",
-              "11a_prefix", "13_speedups", "13a_capture", "14_scale", "15_vllm_engine", "18_real", "15b_config",
-              "15c_start"}
+              "11a_prefix", "13_speedups", "13a_capture", "13b_kernel", "14_scale", "15_vllm_engine", "18_real",
+              "15b_config", "15c_start"}
 SHOWS = re.compile(r"\bprint\(|\bdisplay\(|\bplt\.|\.plot\(")
 MAX_CELL_WORDS, MAX_NOTEBOOK_WORDS, MAX_TOTAL_WORDS = 300, 3000, 25000
 MAX_LINE, MAX_PARAMS = 120, 8   # module length: split by concern (README, "Writing code here"), no line cap
