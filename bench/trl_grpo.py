@@ -97,6 +97,7 @@ def nanorl_run(args, out: Path) -> dict:
         "train": [r["t_train"] for r in recs],
         "mean_length": [r["seq_len"] for r in recs],
         "reward": [r["reward"] for r in recs],
+        "logp_gap_max": [r["logp_gap_max"] for r in recs],   # the sampler's log-probs against the trainer's
     }
 
 
@@ -244,7 +245,8 @@ def summary(side: str, r: dict) -> dict:
         f"{side:6s} steady step {med['step']:.2f} s = generate {med['generate']:.2f} + score {med['score']:.2f} "
         f"+ train {med['train']:.2f} (median of steps 1-{len(r['step']) - 1}); every step "
         f"{[round(x, 2) for x in r['step']]}; mean completion length {[round(x, 1) for x in r['mean_length']]}; "
-        f"reward {[round(x, 3) for x in r['reward']]}",
+        f"reward {[round(x, 3) for x in r['reward']]}"
+        + (f"; largest log-prob gap {[round(x, 3) for x in r['logp_gap_max']]}" if "logp_gap_max" in r else ""),
         flush=True,
     )
     return med

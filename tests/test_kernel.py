@@ -25,7 +25,8 @@ def decode_case(D, groups, L, B=3, H_kv=2, seed=0):
 
 
 @BUILT
-@pytest.mark.parametrize("D,groups,L", [(32, 1, 1), (64, 3, 241), (64, 7, 113), (128, 8, 64), (128, 2, 700)])
+@pytest.mark.parametrize("D,groups,L", [(32, 1, 1), (64, 3, 241), (64, 7, 113), (128, 8, 64), (128, 2, 700),
+                                         (32, 4, 50), (64, 5, 9), (32, 6, 300)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_kernel_is_torchs_attention(D, groups, L, masked):
     "Each output within (L + 8) roundings of |v|max of torch's float32 SDPA: the sums' orders differ, nothing else."
@@ -37,6 +38,20 @@ def test_kernel_is_torchs_attention(D, groups, L, masked):
         got = kernel_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= (L + 8) * 2**-24 * v.abs().max().item()
+
+
+@BUILT
+def test_kernel_takes_any_layout_and_scale():
+    "q, k and v each laid out otherwise (a transposed copy), a batch-1 mask and an explicit scale: torch's numbers."
+    q, k, v, mask = decode_case(64, 3, 40, B=4)
+    q = q.transpose(1, 3).contiguous().transpose(1, 3)                              # (B, H, 1, D), other strides
+    v = v.transpose(0, 2).contiguous().transpose(0, 2)                              # (B, H_kv, L, D), other strides
+    one = mask[:1]                                                                  # (1, 1, 1, L): every row alike
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=one, enable_gqa=True, scale=0.3)
+    with torch.autocast("cpu", dtype=BF16), torch.no_grad():
+        assert decodes(q, k, v, one, False, True)
+        got = kernel_sdpa(q, k, v, attn_mask=one, enable_gqa=True, scale=0.3)
+    assert (got - want).abs().max().item() <= 48 * 2**-24 * v.abs().max().item()
 
 
 @BUILT
@@ -53,9 +68,11 @@ def test_kernel_refuses_what_it_is_not_built_for():
 def test_declined_calls_are_cpu_sdpa():
     "A prefill, a float32 cache, a causal step over many keys or a call needing gradients: `cpu_sdpa`'s own result."
     q, k, v, mask = decode_case(64, 3, 20)
-    prefill = torch.randn(3, 6, 20, 64).to(BF16)
+    prefill, per_head = torch.randn(3, 6, 20, 64).to(BF16), mask.expand(3, 6, 1, 20)
     calls = [(prefill, k, v, dict(is_causal=True)), (q.float(), k.float(), v.float(), dict(attn_mask=mask)),
-             (q, k, v, dict(is_causal=True)), (q.float().requires_grad_(), k, v, dict(attn_mask=mask))]
+             (q, k, v, dict(is_causal=True)), (q.float().requires_grad_(), k, v, dict(attn_mask=mask)),
+             (q, k.detach().requires_grad_(), v, dict(attn_mask=mask)), (q, k, v, dict(attn_mask=per_head)),
+             (q, k, v[..., :32], dict(attn_mask=mask))]                          # values of another head size
     with torch.autocast("cpu", dtype=BF16):
         for qq, kk, vv, kw in calls:
             assert not decodes(qq, kk, vv, kw.get("attn_mask"), kw.get("is_causal", False), True)
