@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 from .checkpoint import load_model
 from .engine import Engine
 from .speedups import use_fast_paths
-from .kernel import use_decode_kernel
 from .rollout import completion_text, prompt_ids
 from .rewards import TaskView, canonical_number, reference_answer
 from .tasks import GSM8K, Arithmetic, Difficulty
@@ -127,7 +126,6 @@ def sample_answers(model_dir, task, indices, cfg: Config) -> list[dict]:
     "One reply of the model in `model_dir` to each held-out problem in `indices`: question, reply, right or not."
     model, tokenizer, _ = load_model(model_dir, "cpu")
     engine, out = Engine(use_fast_paths(model.eval()), tokenizer), []     # on a CPU, as the trainer samples
-    use_decode_kernel(model)
     for i in indices:
         conv = task[i]
         ids = prompt_ids(tokenizer, conv)                   # the chat template's prompt (and any assistant prefix)

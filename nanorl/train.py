@@ -126,7 +126,8 @@ class Trainer:
         if fast:
             for m in filter(None, (self.model, policy.reference)):
                 use_fast_paths(m)
-            use_decode_kernel(self.model)           # bf16 decode steps in a compiled kernel: `13b_kernel`
+            if self.dtype == torch.bfloat16:        # bf16 decode steps in a compiled kernel: `13b_kernel`
+                use_decode_kernel(self.model)
         evaluation = cfg.sampling(evaluation=True)
         vllm_folder = cfg.model_path if cfg.engine == "vllm" else None
         longest = max(cfg.max_new_tokens, evaluation.max_new_tokens)           # vLLM sizes its KV cache for it
